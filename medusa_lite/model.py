@@ -1,0 +1,232 @@
+"""MedusaModel: a frozen Hugging Face causal LM plus draft heads, by composition (as PEFT's PeftModel)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import GenerationConfig, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME, MedusaConfig
+from .generate import GenerationStats, context_length, speculative_generate
+from .heads import MedusaHeads
+from .sampling import check_supported
+from .tree import load_tree, validate_choices
+
+_PROBE_ROWS = 8
+_PROBE_COLS = 8
+
+
+class HeadsMismatchError(ValueError):
+    """Heads were trained for a different target."""
+
+
+def target_fingerprint(target) -> dict[str, Any]:
+    """Identity of a target that survives dtype changes: config shape hash + a probe of its ``lm_head``.
+
+    The probe is a few ``lm_head`` entries, compared with a tolerance at load time (bf16 / GGUF
+    de-quantisation keep them within a few percent; another model does not).
+    """
+    cfg = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") else target.config
+    shape = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                                 "num_attention_heads", "intermediate_size")}
+    weight = target.get_output_embeddings().weight
+    rows = torch.linspace(0, weight.shape[0] - 1, _PROBE_ROWS).long()
+    probe = weight.detach()[rows, :_PROBE_COLS].float().cpu().flatten().tolist()
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    return {"config_sha256": digest, "shape": shape, "lm_head_probe": [round(x, 5) for x in probe]}
+
+
+def check_fingerprint(saved: dict[str, Any] | None, target, source: str) -> None:
+    """Raise :class:`HeadsMismatchError` when ``saved`` does not describe ``target``."""
+    if not saved:
+        return
+    current = target_fingerprint(target)
+    if saved.get("config_sha256") != current["config_sha256"]:
+        raise HeadsMismatchError(
+            f"heads in {source} were trained for a target with {saved.get('shape')}, "
+            f"but the given target has {current['shape']}")
+    a = torch.tensor(saved.get("lm_head_probe", []))
+    b = torch.tensor(current["lm_head_probe"])
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=0.05, atol=0.02 * float(b.abs().max()) + 1e-6):
+        raise HeadsMismatchError(
+            f"heads in {source} were trained for a different target (its lm_head weights differ): "
+            "same architecture, other weights. Load them onto the target they were trained for.")
+
+
+class MedusaModel(nn.Module):
+    """Frozen target (``base_model``) + :class:`MedusaHeads` (``heads``).
+
+    >>> model = MedusaModel(target, MedusaConfig(num_heads=4))     # fresh, zero-initialised heads
+    >>> model = MedusaModel.from_pretrained(target, "heads_dir")   # trained heads
+    >>> out = model.generate(input_ids, max_new_tokens=64)          # same kwargs as transformers
+    >>> model.last_stats.mean_accepted_tokens
+    """
+
+    def __init__(self, base_model, config: MedusaConfig | None = None, *, freeze: bool = True):
+        super().__init__()
+        config = config or MedusaConfig()
+        cfg = base_model.config.get_text_config(decoder=True) if hasattr(base_model.config, "get_text_config") \
+            else base_model.config
+        lm_head = base_model.get_output_embeddings()
+        if lm_head is None:
+            raise ValueError(f"{type(base_model).__name__} has no output embeddings: not a causal LM")
+        vocab, hidden = lm_head.weight.shape
+        for name, value in (("hidden_size", hidden), ("vocab_size", vocab)):
+            saved = getattr(config, name)
+            if saved is not None and saved != value:
+                raise HeadsMismatchError(f"heads have {name}={saved} but the target has {name}={value}")
+            setattr(config, name, value)
+        config.base_model = config.base_model or getattr(cfg, "_name_or_path", None) or None
+        config.target_fingerprint = config.target_fingerprint or target_fingerprint(base_model)
+        self.base_model = base_model
+        self.config = config
+        self.heads = MedusaHeads(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        self.heads.init_lm_heads(lm_head)
+        self.last_stats: GenerationStats | None = None
+        if freeze:
+            base_model.requires_grad_(False)
+            base_model.eval()
+
+    # ------------------------------------------------------------------ formats
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``medusa_config.json``, ``heads.safetensors`` and ``tree.json`` (never the target)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.heads.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
+        (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices}) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, base_model, heads_dir: str | Path, **kwargs) -> "MedusaModel":
+        """Attach the heads saved in ``heads_dir`` to ``base_model``; a mismatched target is an error."""
+        heads_dir = Path(heads_dir)
+        config = MedusaConfig.load(heads_dir)
+        if (heads_dir / TREE_NAME).is_file() and config.tree is None:
+            config.tree = validate_choices(load_tree(heads_dir / TREE_NAME), config.num_heads)
+        check_fingerprint(config.target_fingerprint, base_model, str(heads_dir))
+        model = cls(base_model, config, **kwargs)
+        weights = heads_dir / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
+        state = load_file(str(weights), device=str(model.heads_device))
+        missing, unexpected = model.heads.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
+        return model
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def heads_device(self) -> torch.device:
+        return self.base_model.get_output_embeddings().weight.device
+
+    @property
+    def device(self) -> torch.device:
+        return self.heads_device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base_model.get_output_embeddings().weight.dtype
+
+    @property
+    def generation_config(self) -> GenerationConfig:
+        return self.base_model.generation_config
+
+    # ------------------------------------------------------------------ forward / drafting
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        """Target forward plus head logits: returns (target output, head logits [K, B, T, V])."""
+        out = self.base_model(input_ids=input_ids, output_hidden_states=True, return_dict=True, **kwargs)
+        return out, self.heads(out.hidden_states[-1], self.base_model.get_output_embeddings())
+
+    @torch.no_grad()
+    def draft(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, topk: int | None = None) -> torch.Tensor:
+        """hidden: [H] last accepted hidden state -> [K, topk] ranked draft tokens."""
+        topk = topk or self._topk
+        logits = self.heads(hidden[None, None], self.base_model.get_output_embeddings())  # [K, 1, 1, V]
+        return logits[:, 0, 0].topk(topk, dim=-1).indices
+
+    @property
+    def _topk(self) -> int:
+        return max(max(p) for p in self.config.choices) + 1
+
+    # ------------------------------------------------------------------ generate
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        generation_config: GenerationConfig | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        streamer=None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+        tokenizer=None,
+        tree: list[list[int]] | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Speculative ``generate`` with transformers' arguments; returns [1, prompt + new] token ids.
+
+        Exact: greedy output equals ``base_model.generate`` (up to floating-point ties) and sampled
+        output has the target's distribution. Stats of the call are in ``self.last_stats``.
+        Supported: batch size 1, greedy or sampling with temperature / top_k / top_p / min_p,
+        ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
+        ``stopping_criteria``, streamers. Anything else raises ``ValueError``.
+        """
+        config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
+        unused.pop("use_cache", None)
+        if unused:
+            raise ValueError(f"medusa_lite.generate got unsupported arguments {sorted(unused)}")
+        check_supported(config)
+        prompt, prefix = _single_prompt(input_ids, attention_mask)
+        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[-1]
+        if max_new is None or max_new < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens={max_new}")
+        limit = context_length(self.base_model.config)
+        if limit is not None and prompt.numel() + max_new > limit:
+            raise ValueError(
+                f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new}) exceeds the target's context "
+                f"length ({limit})")
+        criteria = StoppingCriteriaList(stopping_criteria or [])
+        if config.stop_strings:
+            if tokenizer is None:
+                raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
+            criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
+        choices = validate_choices(tree, self.config.num_heads) if tree is not None else self.config.choices
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        try:
+            new, stats = speculative_generate(
+                self.base_model, self.draft, prompt, config, choices, max_new_tokens=max_new, streamer=streamer,
+                stopping_criteria=criteria, generator=generator)
+        finally:
+            if streamer is not None:
+                streamer.end()
+        self.last_stats = stats
+        return torch.cat([input_ids[0], new.to(input_ids.device)])[None]
+
+
+def _single_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """[1, L] ids (+ mask) -> ([L'] unpadded prompt, number of left pad tokens)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a [batch, length] LongTensor")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"medusa_lite.generate supports batch size 1, got {input_ids.shape[0]}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: give at least one prompt token")
+    if attention_mask is None:
+        return input_ids[0], 0
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+    mask = attention_mask[0].bool()
+    pad = int((~mask).long().cumprod(0).sum())  # leading zeros
+    if not bool(mask[pad:].all()) or pad == mask.numel():
+        raise ValueError("attention_mask may only mask left padding (batch size 1)")
+    return input_ids[0, pad:], pad
+

