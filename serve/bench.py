@@ -1,0 +1,355 @@
+"""medusa-lite bench: the Spec-Bench protocol (DESIGN 5) -- plain generate vs prompt lookup vs medusa_lite.
+
+    medusa-lite bench                                   # all 480 questions, 256 new tokens, greedy, fp32
+    medusa-lite bench --limit 5 --max-new-tokens 128    # quick: the first 5 questions of each task
+    medusa-lite bench --temperature 1.0 --dtype bf16 --methods plain,medusa
+
+Batch size 1, the chat template, the first turn of every question (MT-bench's second turns are not
+run), in one process; per question the methods run back to back in a rotating order, each from the
+same prompt. A warm-up generation per method is excluded. Outputs in ``--out``: ``results.json``
+(every question and the summaries), ``results.md`` (tables), ``speedup.png`` and ``acceptance.png``.
+Timings are whatever this machine gives; the report never judges them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_questions
+from medusa_lite.targets import PRETRAINED_DIR, load_default, load_target
+from medusa_lite.tree import load_tree
+
+METHODS = ("plain", "pld", "medusa")
+LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite"}
+
+
+# ------------------------------------------------------------------------------------------ parse
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="medusa-lite bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
+    p.add_argument("--target", default=None, help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", default=None, help="heads directory (default: the bundled heads, else fresh heads)")
+    p.add_argument("--tree", default=None, help="tree JSON file (default: the heads' calibrated tree)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--limit", type=int, default=None, help="questions per task (default: all 80)")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated Spec-Bench tasks")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 1.0 to sample")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--out", default="runs/bench", help="output directory")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = sorted(set(args.methods) - set(METHODS))
+    if bad or not args.methods:
+        p.error(f"--methods: unknown {bad}; choose from {','.join(METHODS)}")
+    if "plain" not in args.methods:
+        args.methods.insert(0, "plain")  # the reference every speedup and exact-match is measured against
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ build
+def build_model(args: argparse.Namespace) -> tuple[MedusaModel, object, str]:
+    """(MedusaModel, tokenizer, description of the heads)."""
+    if args.target is None:
+        model, tokenizer = load_default(dtype=args.dtype, heads=args.heads)
+        if args.heads is not None:
+            heads = str(args.heads)
+        elif (PRETRAINED_DIR / "medusa_config.json").is_file():
+            heads = f"bundled ({PRETRAINED_DIR.name})"
+        else:
+            heads = "fresh (untrained, zero-initialised)"
+        return model, tokenizer, heads
+    target, tokenizer = load_target(args.target, dtype=args.dtype)
+    if args.heads is not None:
+        return MedusaModel.from_pretrained(target, args.heads), tokenizer, str(args.heads)
+    return MedusaModel(target, MedusaConfig(num_heads=4)), tokenizer, "fresh (untrained, zero-initialised)"
+
+
+def generation_kwargs(args: argparse.Namespace, tokenizer, target) -> dict:
+    """Decoding options shared by every method: greedy, or pure sampling at the given temperature."""
+    eos = target.generation_config.eos_token_id
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        pad = eos if isinstance(eos, int) else (eos[0] if eos else tokenizer.pad_token_id)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad)
+    if args.temperature == 0:
+        return kwargs | dict(do_sample=False)
+    return kwargs | dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0)
+
+
+class ForwardCounter:
+    """Counts target forward calls (a forward hook), to report tokens per forward for every method."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.calls = 0
+        module.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.calls += 1
+
+
+def make_runners(model: MedusaModel, gen: dict, tree, pld_tokens: int) -> dict:
+    """method -> fn(input_ids) -> output ids [1, L + n]."""
+    target = model.base_model
+
+    def plain(ids):
+        return target.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+
+    def pld(ids):
+        return target.generate(ids, attention_mask=torch.ones_like(ids), prompt_lookup_num_tokens=pld_tokens, **gen)
+
+    def medusa(ids):
+        return model.generate(ids, tree=tree, **gen)
+
+    return {"plain": plain, "pld": pld, "medusa": medusa}
+
+
+# -------------------------------------------------------------------------------------------- run
+def run_question(runners: dict, methods: list[str], model: MedusaModel, counter: ForwardCounter, ids, seed: int,
+                 order_shift: int) -> dict:
+    """Run every method on one prompt, in an order rotated by ``order_shift``. -> {method: record}."""
+    order = methods[order_shift % len(methods):] + methods[:order_shift % len(methods)]
+    records = {}
+    for method in order:
+        torch.manual_seed(seed)
+        calls = counter.calls
+        t0 = time.perf_counter()
+        out = runners[method](ids)
+        seconds = time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        rec = {"new_tokens": len(new), "seconds": seconds, "tokens_per_second": len(new) / seconds,
+               "target_forwards": counter.calls - calls, "tokens": new}
+        if method == "medusa":
+            stats = model.last_stats
+            rec.update(accepted_per_depth=list(stats.accepted_per_depth), verify_steps=stats.verify_steps,
+                       target_time=stats.target_time, overhead_share=stats.overhead_share)
+        records[method] = rec
+    return records
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token of two sequences (the shorter length if one is a prefix); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# ---------------------------------------------------------------------------------------- summary
+def summarize(rows: list[dict], methods: list[str], greedy: bool) -> dict:
+    """Per-method aggregates over question rows (each ``{"question_id", "task", "methods": {m: record}}``)."""
+    out = {"questions": len(rows)}
+    for m in methods:
+        recs = [r["methods"][m] for r in rows]
+        tokens, seconds = sum(x["new_tokens"] for x in recs), sum(x["seconds"] for x in recs)
+        forwards = sum(x["target_forwards"] for x in recs)
+        s = {"new_tokens": tokens, "wall_time": seconds, "tokens_per_second": tokens / seconds if seconds else 0.0,
+             "target_forwards": forwards, "mean_accepted_tokens": tokens / forwards if forwards else 0.0}
+        ratios = [r["methods"][m]["tokens_per_second"] / r["methods"]["plain"]["tokens_per_second"]
+                  for r in rows if r["methods"]["plain"]["tokens_per_second"] > 0]
+        s["speedup"] = sum(ratios) / len(ratios) if ratios else None
+        if greedy and m != "plain":
+            same = [r["methods"][m]["tokens"] == r["methods"]["plain"]["tokens"] for r in rows]
+            s["exact_match"] = sum(same) / len(same) if same else None
+        if m == "medusa":
+            steps = sum(x["verify_steps"] for x in recs)
+            depth = max((len(x["accepted_per_depth"]) for x in recs), default=0)
+            per_depth = [sum(x["accepted_per_depth"][d] for x in recs if d < len(x["accepted_per_depth"]))
+                         for d in range(depth)]
+            s["acceptance_per_depth"] = [n / steps if steps else 0.0 for n in per_depth]
+            s["overhead_share"] = sum(x["overhead_share"] for x in recs) / len(recs) if recs else 0.0
+        out[m] = s
+    return out
+
+
+def mismatches(rows: list[dict], methods: list[str]) -> list[dict]:
+    """Greedy outputs that differ from plain decoding: question id, method, first differing position."""
+    found = []
+    for r in rows:
+        ref = r["methods"]["plain"]["tokens"]
+        for m in methods:
+            if m == "plain":
+                continue
+            pos = first_difference(ref, r["methods"][m]["tokens"])
+            if pos is not None:
+                found.append({"question_id": r["question_id"], "task": r["task"], "method": m,
+                              "first_difference": pos, "plain_tokens": len(ref),
+                              "method_tokens": len(r["methods"][m]["tokens"])})
+    return found
+
+
+# ------------------------------------------------------------------------------------------- save
+def markdown(report: dict) -> str:
+    cfg, methods = report["config"], report["config"]["methods"]
+    lines = [f"# Spec-Bench: {cfg['target']} ({cfg['dtype']}, {cfg['decoding']}, max_new_tokens "
+             f"{cfg['max_new_tokens']}, {cfg['questions_per_task']} questions/task)", "",
+             f"heads: {cfg['heads']}; tree: {cfg['tree_nodes']} nodes; torch threads {cfg['threads']}; "
+             f"{cfg['machine']}", ""]
+    head = ["task", "n"] + [f"{LABELS[m]} tok/s" for m in methods]
+    head += [f"{LABELS[m]} speedup" for m in methods if m != "plain"]
+    head += [f"{LABELS[m]} tok/fwd" for m in methods if m != "plain"]
+    if cfg["decoding"] == "greedy":
+        head += [f"{LABELS[m]} exact" for m in methods if m != "plain"]
+    head += ["wall s"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for task, s in report["summary"].items():
+        cells = [task, str(s["questions"])] + [f"{s[m]['tokens_per_second']:.1f}" for m in methods]
+        cells += [_fmt(s[m]["speedup"], "{:.2f}x") for m in methods if m != "plain"]
+        cells += [f"{s[m]['mean_accepted_tokens']:.2f}" for m in methods if m != "plain"]
+        if cfg["decoding"] == "greedy":
+            cells += [_fmt(s[m]["exact_match"], "{:.0%}") for m in methods if m != "plain"]
+        cells += [f"{sum(s[m]['wall_time'] for m in methods):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    if "medusa" in methods:
+        depth = max(len(s["medusa"]["acceptance_per_depth"]) for s in report["summary"].values())
+        lines += ["", "medusa_lite acceptance per depth (share of verify steps that accepted at least d drafted tokens):",
+                  "", "| task | " + " | ".join(f"d={d + 1}" for d in range(depth)) + " |",
+                  "|---|" + "---|" * depth]
+        for task, s in report["summary"].items():
+            acc = s["medusa"]["acceptance_per_depth"] + [0.0] * depth
+            lines.append(f"| {task} | " + " | ".join(f"{a:.2f}" for a in acc[:depth]) + " |")
+    if cfg["decoding"] == "greedy":
+        mm = report["mismatches"]
+        lines += ["", f"greedy outputs differing from plain decoding: {len(mm)}"]
+        lines += [f"- question {m['question_id']} ({m['task']}), {LABELS[m['method']]}: first difference at "
+                  f"token {m['first_difference']}" for m in mm]
+    lines += ["", "tok/s: generated tokens / wall time; speedup: mean over questions of (method tok/s) / "
+              "(plain tok/s); tok/fwd: generated tokens per target forward, bonus included (prefill counted); "
+              "exact: share of questions whose output equals plain greedy decoding token for token.", ""]
+    return "\n".join(lines)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def plot(report: dict, out: Path) -> list[str]:
+    """speedup.png (speedup per task per method) and acceptance.png (medusa_lite acceptance per depth)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    methods = [m for m in report["config"]["methods"] if m != "plain"]
+    tasks = list(report["summary"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        xs = [t + i * width for t in range(len(tasks))]
+        ax.bar(xs, [report["summary"][t][m]["speedup"] or 0.0 for t in tasks], width, label=LABELS[m])
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks([t + width * (len(methods) - 1) / 2 for t in range(len(tasks))], tasks, rotation=20)
+    ax.set_ylabel("speedup vs plain generate")
+    ax.set_title(f"Spec-Bench speedup ({report['config']['dtype']}, {report['config']['decoding']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=100)
+    plt.close(fig)
+    written.append("speedup.png")
+    if "medusa" in methods:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for t in tasks:
+            acc = report["summary"][t]["medusa"]["acceptance_per_depth"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=t, lw=2.5 if t == "overall" else 1)
+        ax.set_xlabel("depth d")
+        ax.set_ylabel("share of steps accepting >= d drafted tokens")
+        ax.set_ylim(0, 1)
+        ax.set_title("medusa_lite acceptance per depth")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "acceptance.png", dpi=100)
+        plt.close(fig)
+        written.append("acceptance.png")
+    return written
+
+
+def save(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report["files"] = ["results.json", "results.md"] + plot(report, out)
+    (out / "results.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(report))
+
+
+# ------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> dict:
+    # parse
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    greedy = args.temperature == 0
+
+    # build
+    model, tokenizer, heads = build_model(args)
+    target = model.base_model
+    tree = load_tree(args.tree) if args.tree else None
+    choices = tree if tree is not None else model.config.choices
+    questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
+    if not questions:
+        raise SystemExit(f"no questions for tasks {args.tasks} in {args.questions}")
+    gen = generation_kwargs(args, tokenizer, target)
+    runners = make_runners(model, gen, tree, args.prompt_lookup_tokens)
+    counter = ForwardCounter(target)
+
+    # run: warm-up (excluded), then every question with every method
+    warm = chat_prompt(tokenizer, "Hello!")
+    for m in args.methods:
+        runners[m](warm)
+    rows = []
+    start = time.perf_counter()
+    bar = tqdm(questions, desc="spec-bench", unit="q")
+    for i, q in enumerate(bar):
+        ids = chat_prompt(tokenizer, q.prompt)
+        recs = run_question(runners, args.methods, model, counter, ids, seed=args.seed * 100_003 + q.question_id,
+                            order_shift=i)
+        rows.append({"question_id": q.question_id, "task": q.task, "prompt_tokens": ids.shape[1], "methods": recs})
+        bar.set_postfix({m: f"{recs[m]['tokens_per_second']:.1f}t/s" for m in args.methods})
+    total = time.perf_counter() - start
+
+    # save
+    summary = {t: summarize([r for r in rows if r["task"] == t], args.methods, greedy)
+               for t in args.tasks if any(r["task"] == t for r in rows)}
+    summary["overall"] = summarize(rows, args.methods, greedy)
+    report = {
+        "config": {
+            "target": args.target or "SmolLM2-135M-Instruct", "heads": heads, "dtype": args.dtype,
+            "decoding": "greedy" if greedy else f"sampling T={args.temperature}", "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens, "questions_per_task": args.limit or "all",
+            "tasks": args.tasks, "turns": "first turn only", "methods": args.methods, "seed": args.seed,
+            "prompt_lookup_num_tokens": args.prompt_lookup_tokens, "tree": choices, "tree_nodes": len(choices),
+            "questions_file": str(args.questions), "threads": torch.get_num_threads(),
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "command": " ".join(["medusa-lite bench"] + (sys.argv[1:] if argv is None else list(argv))),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "summary": summary,
+        "mismatches": mismatches(rows, args.methods) if greedy else None,
+        "total_wall_time": total,
+        "questions": rows,
+    }
+    out = Path(args.out)
+    save(report, out)
+    print(markdown(report))
+    print(f"wrote {', '.join(str(out / f) for f in report['files'])}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

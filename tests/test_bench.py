@@ -1,0 +1,82 @@
+"""serve/bench.py end to end on a tiny random Llama + word-level chat tokenizer (no Hub ids, no timings asserted)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_chat import save_tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["write a short story about the sea", "now shorter"]},
+    {"question_id": 161, "category": "translation", "turns": ["translate german to english : hallo welt"]},
+    {"question_id": 321, "category": "qa", "turns": ["what is the answer"]},  # dropped by --limit/--tasks below
+]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT))
+    return runpy.run_path(str(ROOT / "serve" / "bench.py"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    questions = tmp / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    return save_tiny_target(tmp / "target"), questions, tmp
+
+
+def test_bench_end_to_end_greedy(bench, setup):
+    target, questions, tmp = setup
+    out = tmp / "greedy"
+    report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "20",
+                            "--limit", "1", "--tasks", "mt_bench,translation", "--out", str(out), "--seed", "0"])
+    for name in ("results.json", "results.md", "speedup.png", "acceptance.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved["summary"]) == {"mt_bench", "translation", "overall"}
+    assert saved["config"]["methods"] == ["plain", "pld", "medusa"]
+    assert saved["config"]["turns"] == "first turn only"
+    overall = saved["summary"]["overall"]
+    assert overall["questions"] == 2
+    for m in ("plain", "pld", "medusa"):
+        s = overall[m]
+        assert s["new_tokens"] == 40  # no EOS in the tiny model: every method generates 20 tokens per question
+        assert s["tokens_per_second"] > 0 and s["wall_time"] > 0 and s["speedup"] > 0
+    assert overall["plain"]["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert overall["medusa"]["mean_accepted_tokens"] >= 1.0
+    acc = overall["medusa"]["acceptance_per_depth"]
+    assert len(acc) == 4 and all(0 <= a <= 1 for a in acc) and acc == sorted(acc, reverse=True)
+    # exactness: greedy medusa_lite and prompt lookup reproduce plain decoding
+    assert overall["medusa"]["exact_match"] == 1.0 and overall["pld"]["exact_match"] == 1.0
+    assert saved["mismatches"] == []
+    assert [q["question_id"] for q in saved["questions"]] == [81, 161]
+    md = (out / "results.md").read_text()
+    assert "| overall | 2 |" in md and "medusa_lite speedup" in md and "acceptance per depth" in md
+    assert report["summary"]["overall"]["medusa"]["speedup"] == overall["medusa"]["speedup"]
+
+
+def test_bench_sampling_subset_of_methods(bench, setup):
+    target, questions, tmp = setup
+    out = tmp / "sample"
+    bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "12",
+                   "--limit", "1", "--tasks", "qa", "--temperature", "1.0", "--methods", "medusa", "--out", str(out)])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["methods"] == ["plain", "medusa"]  # plain is always run: it is the reference
+    assert saved["config"]["decoding"] == "sampling T=1.0"
+    assert saved["mismatches"] is None and "exact_match" not in saved["summary"]["overall"]["medusa"]
+    assert (out / "speedup.png").is_file()
+
+
+def test_first_difference(bench):
+    diff = bench["first_difference"]
+    assert diff([1, 2, 3], [1, 2, 3]) is None
+    assert diff([1, 2, 3], [1, 5, 3]) == 1
+    assert diff([1, 2], [1, 2, 3]) == 2
