@@ -1,0 +1,768 @@
+"""OpenAI-compatible server for a MedusaModel: ``medusa-lite serve [--target DIR] [--heads DIR] ...``.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
+-> server-sent events in OpenAI's chunk format), ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Scheduling: one request at a time. A single worker thread runs ``MedusaModel.generate`` (batch size 1)
+for the oldest admitted request; up to ``max_queue`` more wait in a FIFO queue and further requests get
+429. A request whose client disconnects is cancelled: a waiting one leaves the queue at once, a running
+one stops at its next decoding step (the streamer raises inside ``generate``).
+
+Settings: defaults < ``configs/serve.yaml`` (or ``--config FILE``) < command-line flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal
+
+import torch
+import yaml
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.generate import GenerationStats, context_length
+from medusa_lite.targets import DEFAULT_TARGET, load_default, load_target
+
+log = logging.getLogger("medusa_lite.serve")
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "configs" / "serve.yaml"
+
+
+# ====================================================================== settings
+@dataclass
+class Settings:
+    """Server settings. Precedence: these defaults < YAML file < command-line flags."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    target: str | None = None            # HF directory or .gguf file; None -> the bundled default target
+    heads: str | None = None             # heads directory; None -> bundled heads (default target) or fresh heads
+    dtype: str = "fp32"                  # fp32 | bf16 | fp16
+    device: str = "cpu"
+    served_model_name: str | None = None  # the "model" clients send; None -> the target's name
+    max_queue: int = 16                  # requests waiting behind the running one; more -> 429
+    default_max_tokens: int = 256        # when a request gives no max_tokens (capped by the context window)
+    max_body_bytes: int = 1 << 20        # larger request bodies -> 413
+    threads: int | None = None           # torch intra-op threads; None -> torch's default
+    shutdown_timeout: float = 10.0       # seconds to finish in-flight requests on SIGINT/SIGTERM
+    log_level: str = "info"
+
+
+def load_settings(yaml_path: Path | None, overrides: dict[str, Any]) -> Settings:
+    """Defaults < YAML < ``overrides`` (flags given on the command line). Unknown YAML keys raise."""
+    values: dict[str, Any] = {}
+    if yaml_path is not None and yaml_path.is_file():
+        data = yaml.safe_load(yaml_path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{yaml_path}: expected a mapping of settings")
+        known = {f.name for f in dataclasses.fields(Settings)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{yaml_path}: unknown settings {unknown}; known: {sorted(known)}")
+        values.update(data)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return Settings(**values)
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Path | None, dict[str, Any]]:
+    p = argparse.ArgumentParser(prog="medusa-lite serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=None, help=f"YAML settings (default: {DEFAULT_CONFIG})")
+    # every flag defaults to None: "not given", so the YAML value (or the dataclass default) stays
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--target", help="HF model directory or .gguf file (default: the bundled SmolLM2-135M)")
+    p.add_argument("--heads", help="heads directory (default: bundled heads, else fresh heads)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--device")
+    p.add_argument("--served-model-name", dest="served_model_name")
+    p.add_argument("--max-queue", dest="max_queue", type=int)
+    p.add_argument("--default-max-tokens", dest="default_max_tokens", type=int)
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float)
+    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    args = vars(p.parse_args(argv))
+    config = args.pop("config")
+    return (config if config is not None else DEFAULT_CONFIG), args
+
+
+def build_model(settings: Settings) -> tuple[MedusaModel, Any, str]:
+    """(model, tokenizer, served name) from the settings."""
+    if settings.target is None:
+        model, tok = load_default(dtype=settings.dtype, device=settings.device, heads=settings.heads)
+        name = DEFAULT_TARGET
+    else:
+        target, tok = load_target(settings.target, dtype=settings.dtype, device=settings.device)
+        if settings.heads is not None:
+            model = MedusaModel.from_pretrained(target, settings.heads)
+        else:
+            log.warning("no --heads given: fresh (zero-initialised) heads, so expect about one token per step")
+            model = MedusaModel(target, MedusaConfig(num_heads=4, base_model=str(settings.target)))
+        name = Path(settings.target).name
+    return model, tok, settings.served_model_name or name
+
+
+# ====================================================================== errors
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` JSON."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# ====================================================================== request schemas
+class _Strict(BaseModel):
+    # strict: "10" is not an int, true is not a number; unknown fields (user, metadata, ...) are ignored
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)          # extension (vLLM's); -1 or 0: no top-k
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # accepted at their neutral values only (see _check_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    logprobs: bool | int | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def _check_unsupported(req: _Common) -> None:
+    """400 for OpenAI parameters this server accepts only at their neutral value."""
+    for name in ("n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo",
+                 "suffix", "top_logprobs", "tools"):
+        value = getattr(req, name, None)
+        neutral = value is None or (value == 1 if name in ("n", "best_of") else not value)
+        if not neutral:
+            what = "n must be 1: one completion per request" if name == "n" else f"{name}={value!r} is not supported"
+            raise APIError(400, f"{what} (medusa_lite serves batch size 1, greedy or sampling)",
+                           param=name, code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
+
+
+def parse_request(schema: type[_Common], body: Any) -> _Common:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
+        # "stop.str" / "prompt.list[int]" name union members: report the field the client sent
+        param = loc[0] if loc else None
+        raise APIError(400, f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}", param=param,
+                       code="invalid_type" if "type" in err["type"] or "valid" in err["msg"] else "invalid_value")
+    _check_unsupported(req)
+    return req
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 beyond ``limit`` bytes (checked before reading where a length is given)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json")
+
+
+# ====================================================================== metrics
+class Metrics:
+    """Prometheus metrics in their own registry (vLLM's names, ``medusa_lite:`` prefix).
+
+    Spec-decode counters, per verify step (one target forward over the tree):
+      num_drafts            += 1
+      num_draft_tokens      += the tree's depth at that step (positions drafted ahead; trees are cut
+                               shallower in the last steps before max_tokens / the context end)
+      num_accepted_tokens   += accepted depth (draft tokens the target agreed with; the bonus token
+                               is not counted)
+      accepted_per_pos{k}   += 1 if the accepted depth > k (k = 0: the first drafted position)
+    so ``accepted / draft_tokens`` is the per-position acceptance rate and
+    ``1 + accepted / drafts`` the mean tokens per verify step, as in vLLM.
+    """
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        p = "medusa_lite:"
+        self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps (target forwards over a tree).",
+                              registry=r)
+        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft positions proposed.", registry=r)
+        self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
+        self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position.", ["position"], registry=r)
+        self.requests = Counter(p + "requests", "API requests by HTTP status.", ["status"], registry=r)
+        self.finished = Counter(p + "request_success", "Finished requests by finish reason "
+                                "(stop / length / cancelled / error).", ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token (queue wait included).",
+                              buckets=buckets, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last token.", buckets=buckets,
+                             registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests generating (0 or 1).", registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued.", registry=r)
+
+    def record_spec(self, stats: GenerationStats, prompt_len: int, max_new: int, tree_depth: int,
+                    limit: int | None) -> None:
+        depths = drafted_depths(stats.tokens_per_step, prompt_len, max_new, tree_depth, limit)
+        self.drafts.inc(stats.verify_steps)
+        self.draft_tokens.inc(sum(depths))
+        self.accepted.inc(sum(stats.accepted_per_depth))
+        for k, n in enumerate(stats.accepted_per_depth):
+            self.accepted_per_pos.labels(position=str(k)).inc(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def drafted_depths(tokens_per_step: list[int], prompt_len: int, max_new: int, tree_depth: int,
+                   limit: int | None) -> list[int]:
+    """Depth of the tree verified at each step, mirroring ``generate``'s truncation near the end.
+
+    Prefill emits the first token; before each step the tree is cut to ``max_new - generated - 1``
+    levels and to the positions left in the context window.
+    """
+    generated, cache_len, out = 1, prompt_len, []
+    for n in tokens_per_step:
+        depth = min(tree_depth, max_new - generated - 1)
+        if limit is not None:
+            depth = min(depth, limit - cache_len - 1)
+        out.append(max(depth, 0))
+        generated += n
+        cache_len += n
+    return out
+
+
+# ====================================================================== engine: one worker thread
+class Cancelled(Exception):
+    """Raised inside ``generate`` (from the streamer) when a request is cancelled."""
+
+
+@dataclass
+class Job:
+    """One admitted request; the worker reports to ``events`` (an asyncio queue) via ``emit``."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    gen_kwargs: dict[str, Any]
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    cancel: threading.Event = field(default_factory=threading.Event)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token: float | None = None
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+
+
+class Detokenizer:
+    """Token ids -> text deltas whose concatenation is the final text, cut at the first stop string.
+
+    Text that might still become (the start of) a stop string, or an incomplete UTF-8 sequence, is
+    held back until more tokens arrive or generation ends.
+    """
+
+    def __init__(self, tokenizer, lock: threading.Lock, stop: list[str]):
+        self.tok, self.lock, self.stop = tokenizer, lock, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def _text(self) -> tuple[str, bool]:
+        with self.lock:
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text, stopped = self._text()
+        if not stopped:
+            text = text[:len(text) - self.hold] if self.hold else text
+            text = text.rstrip("\ufffd")
+        return self._advance(text)
+
+    def finish(self) -> tuple[str, bool]:
+        """(last delta, whether a stop string cut the text)."""
+        text, stopped = self._text()
+        return self._advance(text), stopped
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""  # nothing new (or a tokenizer that re-spells earlier text: keep what was sent)
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+class _JobStreamer:
+    """transformers-style streamer for one job: raises :class:`Cancelled` once the job's flag is set."""
+
+    def __init__(self, job: Job, detok: Detokenizer, metrics: Metrics):
+        self.job, self.detok, self.metrics = job, detok, metrics
+        self.prompt_seen = False
+        self.tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() first puts the prompt
+            self.prompt_seen = True
+            return
+        if self.job.cancel.is_set():
+            raise Cancelled
+        ids = value.reshape(-1).tolist()
+        self.tokens += len(ids)
+        if self.job.first_token is None:
+            self.job.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.job.first_token - self.job.arrival)
+        delta = self.detok.add(ids)
+        self.job.emit("delta", (delta, self.tokens))
+
+    def end(self) -> None:
+        pass
+
+
+class Engine:
+    """Owns the model; admits jobs into a bounded FIFO and runs them one at a time on one thread."""
+
+    def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int):
+        self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
+        self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
+        self.limit = context_length(model.base_model.config)
+        self.tree_depth = max(len(p) for p in model.config.choices)
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+        if not self.eos and tokenizer.eos_token_id is not None:
+            self.eos = {tokenizer.eos_token_id}
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.running: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name="medusa-worker", daemon=True)
+
+    # ---------------------------------------------------------- tokenization (event-loop thread)
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        with self.tok_lock:
+            return self.tok(text, add_special_tokens=special)["input_ids"]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if getattr(self.tok, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        try:
+            with self.tok_lock:
+                text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raise_exception(), e.g. roles out of order
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+        return self.encode(text, special=False)
+
+    # ---------------------------------------------------------- admission
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            if len(self._pending) >= self.max_queue:
+                raise APIError(429, f"the server is busy: {len(self._pending)} requests are waiting (max_queue)",
+                               type="rate_limit_error", code="queue_full")
+            self._pending.append(job)
+            self.metrics.waiting.set(len(self._pending))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Cancel ``job``: a waiting job leaves the queue now, a running one stops at its next step."""
+        job.cancel.set()
+        with self._cond:
+            if job in self._pending:
+                self._pending.remove(job)
+                self.metrics.waiting.set(len(self._pending))
+                self.metrics.finished.labels(finished_reason="cancelled").inc()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Refuse new jobs, cancel waiting and running ones, join the worker."""
+        with self._cond:
+            self._closed = True
+            for job in self._pending:
+                job.cancel.set()
+                job.emit("error", APIError(503, "the server is shutting down", type="server_error"))
+            self._pending.clear()
+            self.metrics.waiting.set(0)
+            if self.running is not None:
+                self.running.cancel.set()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------- the worker
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                job = self.running = self._pending.popleft()
+                self.metrics.waiting.set(len(self._pending))
+            self.metrics.running.set(1)
+            try:
+                self._run(job)
+            finally:
+                self.metrics.running.set(0)
+                with self._cond:
+                    self.running = None
+
+    def _run(self, job: Job) -> None:
+        detok = Detokenizer(self.tok, self.tok_lock, job.stop)
+        streamer = _JobStreamer(job, detok, self.metrics)
+        kwargs = dict(job.gen_kwargs)
+        if job.stop:
+            kwargs.update(stop_strings=job.stop, tokenizer=self.tok)
+        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.model.device)
+        try:
+            if job.cancel.is_set():
+                raise Cancelled
+            out = self.model.generate(ids, max_new_tokens=job.max_tokens, streamer=streamer, **kwargs)
+        except Cancelled:
+            self.metrics.finished.labels(finished_reason="cancelled").inc()
+            job.emit("error", APIError(499, "request cancelled", code="cancelled"))
+            return
+        except ValueError as e:
+            self.metrics.finished.labels(finished_reason="error").inc()
+            job.emit("error", APIError(400, str(e)))
+            return
+        except Exception as e:  # keep serving; the client gets a 500 / an error event
+            log.exception("generation failed")
+            self.metrics.finished.labels(finished_reason="error").inc()
+            job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+            return
+        stats = self.model.last_stats
+        new = out[0, len(job.prompt_ids):].tolist()
+        delta, stopped = detok.finish()
+        if stopped or (new and new[-1] in self.eos) or len(new) < job.max_tokens:
+            reason = "stop"
+        else:
+            reason = "length"
+        now = time.perf_counter()
+        m = self.metrics
+        m.e2e.observe(now - job.arrival)
+        m.finished.labels(finished_reason=reason).inc()
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        m.generation_tokens.inc(len(new))
+        m.record_spec(stats, len(job.prompt_ids), job.max_tokens, self.tree_depth, self.limit)
+        job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent,
+                          "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
+                                    "total_tokens": len(job.prompt_ids) + len(new)}})
+
+
+# ====================================================================== the API
+def _sampling(req: _Common) -> dict[str, Any]:
+    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's)."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature == 0:
+        return {"do_sample": False}
+    kwargs: dict[str, Any] = {"do_sample": True, "temperature": temperature,
+                              "top_p": 1.0 if req.top_p is None else req.top_p,
+                              "top_k": 0 if req.top_k in (None, -1) else req.top_k}
+    if req.seed is not None:
+        kwargs["generator"] = torch.Generator(device="cpu").manual_seed(req.seed)
+    return kwargs
+
+
+def _budget(engine: Engine, prompt_len: int, requested: int | None, default: int, param: str) -> int:
+    """max_tokens after the context-window check (400 when prompt + max_tokens does not fit)."""
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", param=param)
+    limit = engine.limit
+    if requested is None:
+        requested = default if limit is None else min(default, limit - prompt_len)
+        if requested < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) fills this model's context length ({limit})",
+                           param=param, code="context_length_exceeded")
+    elif limit is not None and prompt_len + requested > limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but {prompt_len + requested} "
+                            f"were requested ({prompt_len} in the prompt, {requested} for the completion); "
+                            "reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+async def _events(job: Job, engine: Engine, request: Request) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; cancels the job when the client goes away (checked every 0.25 s while idle)."""
+    finished = False
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if kind != "delta":
+                finished = True
+            yield kind, payload
+            if finished:
+                return
+    finally:
+        if not finished:
+            engine.cancel(job)
+
+
+def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name: str) -> FastAPI:
+    """The FastAPI app around a started-or-not engine (started in the lifespan)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.close(timeout=settings.shutdown_timeout)
+
+    app = FastAPI(title="medusa_lite", lifespan=lifespan)
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/"):
+            metrics.requests.labels(status=str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def admit(req: _Common, prompt_ids: list[int], requested: int | None, param: str) -> Job:
+        max_tokens = _budget(engine, len(prompt_ids), requested, settings.default_max_tokens, param)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        job = Job(prompt_ids, max_tokens, _sampling(req), stop, asyncio.get_running_loop())
+        engine.submit(job)
+        return job
+
+    async def collect(job: Job, request: Request) -> dict:
+        async for kind, payload in _events(job, engine, request):
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return payload
+        raise APIError(499, "client disconnected", code="cancelled")
+
+    def sse(obj: dict) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def stream(job: Job, request: Request, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        rid = ("chatcmpl-" if chat else "cmpl-") + job.id
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return sse({**base, "choices": [choice], **extra})
+
+        if chat:
+            yield chunk(None, None, role=True)
+        async for kind, payload in _events(job, engine, request):
+            if kind == "delta":
+                if payload[0]:
+                    yield chunk(payload[0], None)
+            elif kind == "error":
+                yield sse(payload.body())
+                break
+            else:
+                if payload["delta"]:
+                    yield chunk(payload["delta"], None)
+                yield chunk(None if chat else "", payload["finish_reason"])
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": payload["usage"]})
+        yield "data: [DONE]\n\n"
+
+    def respond(job: Job, req: _Common, request: Request, chat: bool):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(stream(job, request, chat, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "medusa_lite", "max_model_len": engine.limit}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await read_json(request, settings.max_body_bytes))
+        check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (batch size 1)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = engine.encode(prompt, special=True)
+        else:
+            vocab = engine.model.config.vocab_size
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            ids = list(prompt)
+        job = admit(req, ids, req.max_tokens, "prompt")
+        if req.stream:
+            return respond(job, req, request, chat=False)
+        out = await collect(job, request)
+        return {"id": "cmpl-" + job.id, "object": "text_completion", "created": int(time.time()),
+                "model": model_name,
+                "choices": [{"index": 0, "text": out["text"], "logprobs": None,
+                             "finish_reason": out["finish_reason"]}],
+                "usage": out["usage"]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatRequest, await read_json(request, settings.max_body_bytes))
+        check_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in req.messages]
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = admit(req, engine.chat_prompt(messages), requested, "messages")
+        if req.stream:
+            return respond(job, req, request, chat=True)
+        out = await collect(job, request)
+        return {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": int(time.time()),
+                "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                             "logprobs": None, "finish_reason": out["finish_reason"]}],
+                "usage": out["usage"]}
+
+    return app
+
+
+# ====================================================================== main
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    # 1. settings: defaults < YAML < flags
+    yaml_path, flags = parse_args(argv)
+    settings = load_settings(yaml_path, flags)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    disable_created_metrics()  # no *_created samples: this process owns its registry
+    # 2. build: model, engine, app
+    t0 = time.perf_counter()
+    model, tokenizer, name = build_model(settings)
+    log.info("loaded %s (%s, %s, tree of %d nodes) in %.1f s", name, settings.dtype, settings.device,
+             len(model.config.choices) + 1, time.perf_counter() - t0)
+    metrics = Metrics()
+    engine = Engine(model, tokenizer, metrics, settings.max_queue)
+    app = create_app(engine, metrics, settings, name)
+    # 3. run until SIGINT / SIGTERM; in-flight requests get shutdown_timeout seconds to finish
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=settings.shutdown_timeout)
+
+
+if __name__ == "__main__":
+    main()
