@@ -1,0 +1,193 @@
+"""Calibration: fit the candidate tree to a set of heads and to the hardware (DESIGN 3.2).
+
+Two measurements feed one choice:
+
+* per-head accuracy: ``acc[k][r]`` = probability that head k's rank-r proposal is the token the
+  target itself chooses at that position (teacher-forced over prompts + the target's own greedy
+  continuations, so the prefix is what an accepted path would be);
+* the target's forward latency as a function of the number of tree tokens N (root included), with
+  a realistic cache, on this machine; plus the per-step cost outside the forward (drafting,
+  verification, cache compaction), which is the same for every tree size.
+
+For each candidate size s, :func:`medusa_lite.tree.grow_tree` gives the best tree of s nodes; its
+expected tokens per step is :func:`medusa_lite.tree.expected_length` and its expected speed is
+``expected_length / (latency(s + 1) + overhead)``. :func:`choose_tree` picks the fastest.
+
+The first part of this module is pure math (numbers and tensors in, numbers out); the second part
+runs the measurements on a model and is what ``medusa-lite calibrate`` calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .tree import Choices, attention_bias, build_buffers, chain, expected_length, grow_tree
+
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
+DEFAULT_LATENCY_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+# ---------------------------------------------------------------------------------------------- math
+def topk_hits(head_logits: torch.Tensor, target_choice: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Count, per head and rank, how often the head's proposal is the target's own choice.
+
+    head_logits: [K, T, V] head logits at T consecutive positions t = 0..T-1 (hidden state of t);
+    target_choice: [T] the target's token chosen at each of those positions (the token for t + 1).
+    Head k at position t proposes the token for t + 2 + k, i.e. ``target_choice[t + 1 + k]``; positions
+    whose answer lies beyond T are skipped.
+    Returns (hits [K, topk] long: rank r of head k was right; totals [K] long: positions scored).
+    """
+    num_heads, length, _ = head_logits.shape
+    ranked = head_logits.topk(topk, dim=-1).indices  # [K, T, topk]
+    hits = torch.zeros(num_heads, topk, dtype=torch.long)
+    totals = torch.zeros(num_heads, dtype=torch.long)
+    for k in range(num_heads):
+        n = length - 1 - k  # positions t with t + 1 + k < T
+        if n <= 0:
+            continue
+        answer = target_choice[1 + k: 1 + k + n]  # [n]
+        hits[k] = (ranked[k, :n] == answer[:, None]).long().sum(dim=0).cpu()  # [topk]
+        totals[k] = n
+    return hits, totals
+
+
+def accuracies_from_counts(hits: torch.Tensor, totals: torch.Tensor) -> list[list[float]]:
+    """hits [K, topk], totals [K] -> ``acc[k][r]`` as used by :func:`medusa_lite.tree.grow_tree`."""
+    return [[float(h) / max(int(n), 1) for h in row] for row, n in zip(hits.tolist(), totals.tolist())]
+
+
+def interpolate_latency(table: dict[int, float], tokens: int) -> float:
+    """Forward latency (seconds) for ``tokens`` new tokens from a measured ``{tokens: seconds}`` table.
+
+    Piecewise linear between measured points; flat below the smallest; beyond the largest, extended
+    with the slope of the last two points (never decreasing).
+    """
+    if not table:
+        raise ValueError("empty latency table")
+    xs = sorted(table)
+    if tokens in table:
+        return float(table[tokens])
+    if tokens <= xs[0]:
+        return float(table[xs[0]])
+    if tokens >= xs[-1]:
+        if len(xs) == 1:
+            return float(table[xs[-1]])
+        x0, x1 = xs[-2], xs[-1]
+        slope = max((table[x1] - table[x0]) / (x1 - x0), 0.0)
+        return float(table[x1] + slope * (tokens - x1))
+    for x0, x1 in zip(xs, xs[1:]):
+        if x0 <= tokens <= x1:
+            w = (tokens - x0) / (x1 - x0)
+            return float(table[x0] * (1 - w) + table[x1] * w)
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class TreeCandidate:
+    """One tree size scored by :func:`choose_tree`."""
+
+    size: int                  # nodes excluding the root
+    expected_length: float     # expected tokens per step, bonus included
+    latency: float             # seconds per step: forward of size + 1 tokens + overhead
+    tokens_per_second: float   # expected_length / latency
+    choices: Choices
+
+
+def score_trees(accuracies: list[list[float]], latency: dict[int, float], sizes=DEFAULT_SIZES,
+                overhead: float = 0.0) -> list[TreeCandidate]:
+    """Grow the best tree of every size in ``sizes`` and estimate its speed. Sizes that cannot be grown
+    (more nodes than the accuracies allow) collapse onto the largest possible tree and are dropped."""
+    candidates: list[TreeCandidate] = []
+    seen: set[int] = set()
+    for size in sorted(set(int(s) for s in sizes)):
+        if size < 1:
+            raise ValueError(f"tree sizes must be >= 1, got {size}")
+        choices = grow_tree(accuracies, size)
+        if len(choices) in seen:
+            continue
+        seen.add(len(choices))
+        step = interpolate_latency(latency, len(choices) + 1) + overhead
+        length = expected_length(choices, accuracies)
+        candidates.append(TreeCandidate(len(choices), length, step, length / step, choices))
+    return candidates
+
+
+def choose_tree(accuracies: list[list[float]], latency: dict[int, float], sizes=DEFAULT_SIZES,
+                overhead: float = 0.0) -> tuple[TreeCandidate, list[TreeCandidate]]:
+    """The tree maximising expected tokens per second (ties: the smaller tree), and all candidates."""
+    candidates = score_trees(accuracies, latency, sizes, overhead)
+    best = max(candidates, key=lambda c: (round(c.tokens_per_second, 9), -c.size))
+    return best, candidates
+
+
+def candidates_to_dicts(candidates: list[TreeCandidate]) -> list[dict]:
+    return [asdict(c) for c in candidates]
+
+
+# ------------------------------------------------------------------------------------- measurements
+def _cache_kwarg(target) -> str:
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk: int = 10) -> dict:
+    """Teacher-forced head accuracy of ``model`` (a :class:`medusa_lite.MedusaModel`).
+
+    sequences: (ids [L] long, start) pairs, ``ids[start:]`` the target's own continuation of the prompt
+    ``ids[:start]``; positions from ``start - 1`` on are scored (one target forward per sequence).
+    Returns ``{"accuracies": [K][topk], "hits": ..., "totals": ...}``.
+    """
+    target, lm_head = model.base_model, model.base_model.get_output_embeddings()
+    hits = torch.zeros(model.config.num_heads, topk, dtype=torch.long)
+    totals = torch.zeros(model.config.num_heads, dtype=torch.long)
+    for ids, start in sequences:
+        out = target(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False)
+        first = max(start - 1, 0)
+        hidden = out.hidden_states[-1][:, first:]  # [1, T, H]
+        choice = out.logits[0, first:].argmax(dim=-1)  # [T]
+        head_logits = model.heads(hidden, lm_head)[:, 0].float()  # [K, T, V]
+        h, n = topk_hits(head_logits, choice, topk)
+        hits += h
+        totals += n
+    return {"accuracies": accuracies_from_counts(hits, totals), "hits": hits.tolist(), "totals": totals.tolist()}
+
+
+@torch.no_grad()
+def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: int = 256, repeats: int = 5,
+                            seed: int = 0) -> dict[int, dict[str, float]]:
+    """Seconds for one cached tree-verify forward of N new tokens, for each N in ``tokens``.
+
+    The cache holds ``cache_len`` random tokens; each forward uses a tree attention mask and explicit
+    position ids (as in verification) with hidden states returned, then the cache is cropped back.
+    Sizes are interleaved across repeats so machine noise spreads evenly. Returns
+    ``{N: {"median": s, "min": s}}``.
+    """
+    from .cache import new_cache
+
+    device = target.get_output_embeddings().weight.device
+    dtype = target.get_output_embeddings().weight.dtype
+    vocab = target.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    cache = new_cache(target)
+    kw = _cache_kwarg(target)
+    prefix = torch.randint(0, vocab, (1, cache_len), generator=gen).to(device)
+    target(input_ids=prefix, use_cache=True, return_dict=True, **{kw: cache})
+    times: dict[int, list[float]] = {int(n): [] for n in tokens}
+    for rep in range(repeats + 1):  # repeat 0 is a warm-up
+        for n in times:
+            buffers = build_buffers(chain(n - 1), device)
+            ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+            mask = attention_bias(buffers, cache_len, dtype)
+            t0 = time.perf_counter()
+            target(input_ids=ids, position_ids=(cache_len + buffers.depths)[None], attention_mask=mask,
+                   use_cache=True, output_hidden_states=True, return_dict=True, **{kw: cache})
+            elapsed = time.perf_counter() - t0
+            cache.crop(-n)  # drop the n tokens just appended
+            if rep > 0:
+                times[n].append(elapsed)
+    return {n: {"median": statistics.median(ts), "min": min(ts)} for n, ts in times.items()}

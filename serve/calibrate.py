@@ -1,0 +1,149 @@
+"""medusa-lite calibrate: fit the candidate tree to a set of heads and to this hardware (DESIGN 3.2).
+
+    medusa-lite calibrate --heads DIR                  # measure, choose, write DIR/tree.json + medusa_config.json
+    medusa-lite calibrate --heads DIR --dry-run        # measure and report only
+
+Stages: (1) the target's own greedy continuations of held-out prompts (by default the *last*
+``--per-task`` Spec-Bench questions of each task, so a ``bench --limit N`` run with small N never sees
+them), (2) per-head top-k accuracy against the target, teacher-forced, (3) the target's forward
+latency vs number of tree tokens with a ``--cache-len`` cache, plus the measured per-step overhead
+outside the forward, (4) the tree maximising expected tokens/s. The heads directory then decodes with
+that tree by default; ``calibration.json`` there records every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, candidates_to_dicts, choose_tree,
+                                     measure_forward_latency, measure_head_accuracy)
+from medusa_lite.config import TREE_NAME
+from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
+from medusa_lite.targets import PRETRAINED_DIR, load_target
+from medusa_lite.tree import expected_length
+
+REPORT_NAME = "calibration.json"
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="medusa-lite calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", default=str(PRETRAINED_DIR), help="heads directory (default: the bundled heads)")
+    p.add_argument("--target", default=None, help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype to measure latency in")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl (prompts)")
+    p.add_argument("--per-task", type=int, default=2, help="held-out prompts per Spec-Bench task (the last ones)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's continuations")
+    p.add_argument("--topk", type=int, default=10, help="ranks measured per head")
+    p.add_argument("--sizes", type=_ints, default=list(DEFAULT_SIZES), help="tree sizes (nodes, root excluded)")
+    p.add_argument("--latency-tokens", type=_ints, default=list(DEFAULT_LATENCY_TOKENS),
+                   help="numbers of tree tokens (root included) whose forward latency is measured")
+    p.add_argument("--cache-len", type=int, default=256, help="cache length during the latency measurement")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=f"report JSON (default: HEADS/{REPORT_NAME})")
+    p.add_argument("--dry-run", action="store_true", help="report only; leave the heads directory unchanged")
+    args = p.parse_args(argv)
+    if max(args.latency_tokens) < max(args.sizes) + 1:
+        args.latency_tokens.append(max(args.sizes) + 1)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    # parse
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    heads_dir = Path(args.heads)
+
+    # build
+    target, tokenizer = load_target(args.target, dtype=args.dtype)
+    model = MedusaModel.from_pretrained(target, heads_dir)
+    questions = load_questions(args.questions, limit=args.per_task, from_end=True)
+
+    # (1) the target's own greedy continuations (medusa_lite greedy == target greedy), with the step overhead
+    sequences, overhead, steps = [], 0.0, 0
+    for q in questions:
+        ids = chat_prompt(tokenizer, q.prompt)
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        stats = model.last_stats
+        overhead += stats.wall_time - stats.target_time
+        steps += stats.verify_steps
+        sequences.append((out[0], ids.shape[1]))
+    overhead_per_step = overhead / max(steps, 1)
+    print(f"continuations: {len(sequences)} prompts, {sum(s.numel() - p for s, p in sequences)} tokens; "
+          f"overhead outside target forwards {overhead_per_step * 1e3:.1f} ms/step")
+
+    # (2) per-head accuracy, (3) latency vs tree tokens
+    current = model.config.choices
+    topk = max(args.topk, max(max(path) for path in current) + 1)  # enough ranks to score the current tree too
+    accuracy = measure_head_accuracy(model, sequences, topk=topk)
+    acc = accuracy["accuracies"]
+    for k, row in enumerate(acc):
+        print(f"head {k}: top-1 {row[0]:.3f}  top-{len(row)} {sum(row):.3f}")
+    latency = measure_forward_latency(target, args.latency_tokens, cache_len=args.cache_len, repeats=args.repeats,
+                                      seed=args.seed)
+    table = {n: v["median"] for n, v in latency.items()}
+    print("forward latency (ms) by tree tokens: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in table.items()))
+
+    # (4) choose
+    best, candidates = choose_tree(acc, table, args.sizes, overhead=overhead_per_step)
+    for c in candidates:
+        mark = " <- best" if c is best else ""
+        print(f"size {c.size:3d}: expected {c.expected_length:.2f} tokens/step, {c.latency * 1e3:.1f} ms/step, "
+              f"{c.tokens_per_second:.1f} tokens/s{mark}")
+
+    # save
+    report = {
+        "heads": str(heads_dir), "target": args.target or "SmolLM2-135M-Instruct", "dtype": args.dtype,
+        "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "data": {"questions": str(args.questions), "question_ids": [q.question_id for q in questions],
+                 "max_new_tokens": args.max_new_tokens},
+        "accuracy": accuracy, "overhead_per_step": overhead_per_step, "cache_len": args.cache_len,
+        "latency": {str(n): v for n, v in latency.items()},
+        "candidates": candidates_to_dicts(candidates),
+        "previous_tree": {"choices": current, "expected_length": expected_length(current, acc)},
+        "best": {"size": best.size, "expected_length": best.expected_length,
+                 "estimated_tokens_per_second": best.tokens_per_second, "choices": best.choices},
+        "written": not args.dry_run,
+    }
+    if not args.dry_run:
+        write_tree(heads_dir, best.choices, report)
+    out = Path(args.out) if args.out else heads_dir / REPORT_NAME
+    if args.out or not args.dry_run:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+    print(f"best tree: {best.size} nodes, expected {best.expected_length:.2f} tokens/step, "
+          f"~{best.tokens_per_second:.1f} tokens/s{' (dry run: not written)' if args.dry_run else ''}")
+    return report
+
+
+def write_tree(heads_dir: Path, choices: list[list[int]], report: dict) -> None:
+    """Make ``choices`` the heads' default tree: ``tree.json`` and ``medusa_config.json``'s ``tree``."""
+    config = MedusaConfig.load(heads_dir)
+    config.tree = choices
+    config.save(heads_dir)
+    summary = {k: report[k] for k in ("date", "dtype", "threads", "overhead_per_step")}
+    summary["expected_length"] = report["best"]["expected_length"]
+    summary["estimated_tokens_per_second"] = report["best"]["estimated_tokens_per_second"]
+    (heads_dir / TREE_NAME).write_text(json.dumps({"choices": choices, "calibration": summary}) + "\n")
+    print(f"wrote {heads_dir / TREE_NAME} and the tree in {heads_dir / 'medusa_config.json'}")
+
+
+if __name__ == "__main__":
+    main()

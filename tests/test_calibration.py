@@ -1,0 +1,124 @@
+"""Calibration: the pure math (accuracy counting, latency interpolation, tree choice) and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_chat import save_tiny_target
+
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_forward_latency, score_trees,
+                                     topk_hits)
+from medusa_lite.targets import load_target
+from medusa_lite.tree import expected_length, grow_tree
+
+ROOT = Path(__file__).resolve().parents[1]
+ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
+
+
+def test_topk_hits_counts_head_k_against_target_choice_k_plus_1_ahead():
+    vocab, length = 8, 6
+    choice = torch.tensor([3, 1, 4, 1, 5, 2])  # target's token at positions 0..5 (for 1..6)
+    logits = torch.zeros(2, length, vocab)
+    for t in range(length):
+        if t + 1 < length:
+            logits[0, t, choice[t + 1]] = 2.0  # head 0 always right at rank 0
+        logits[1, t, (t % vocab)] = 2.0        # head 1 rank 0: token t
+        if t + 2 < length:
+            logits[1, t, choice[t + 2]] = 1.0  # ... and the right answer at rank 1 (unless it is token t)
+    hits, totals = topk_hits(logits, choice, topk=2)
+    assert totals.tolist() == [5, 4]
+    assert hits[0].tolist() == [5, 0]
+    # head 1, t = 0..3 answers choice[2..5] = 4, 1, 5, 2; rank-0 tokens 0, 1, 2, 3 -> rank 0 right at t=1 only
+    assert hits[1].tolist() == [1, 3]
+
+
+def test_interpolate_latency():
+    table = {1: 1.0, 4: 1.0, 8: 3.0}
+    assert interpolate_latency(table, 1) == 1.0
+    assert interpolate_latency(table, 2) == 1.0
+    assert interpolate_latency(table, 6) == pytest.approx(2.0)
+    assert interpolate_latency(table, 12) == pytest.approx(5.0)  # slope of the last segment
+    assert interpolate_latency({1: 2.0}, 9) == 2.0
+
+
+def test_choose_tree_flat_then_steep_latency_picks_largest_cheap_tree():
+    latency = {1: 1.0, 16: 1.0, 32: 4.0, 64: 12.0}
+    best, cands = choose_tree(ACC, latency, sizes=[1, 2, 4, 8, 15, 31, 63])
+    assert best.size == 15  # 16 tokens cost one forward: the biggest tree in the flat region wins
+    assert best.choices == grow_tree(ACC, 15)
+    assert best.expected_length == pytest.approx(expected_length(best.choices, ACC))
+    assert best.tokens_per_second == max(c.tokens_per_second for c in cands)
+
+
+def test_choose_tree_linear_latency_picks_small_tree_and_overhead_favours_bigger():
+    latency = {1: 1.0, 64: 64.0}  # every token costs a full forward: speculation barely pays
+    best, _ = choose_tree(ACC, latency, sizes=[1, 2, 4, 8])
+    assert best.size == 1
+    best_oh, cands = choose_tree(ACC, latency, sizes=[1, 2, 4, 8], overhead=20.0)
+    assert best_oh.size > 1  # a large fixed per-step cost makes extra nodes relatively cheap
+    brute = max(cands, key=lambda c: c.expected_length / (interpolate_latency(latency, c.size + 1) + 20.0))
+    assert best_oh.size == brute.size
+
+
+def test_score_trees_drops_sizes_beyond_the_accuracies():
+    cands = score_trees([[0.5, 0.2]], {1: 1.0, 8: 1.0}, sizes=[1, 2, 5])
+    assert [c.size for c in cands] == [1, 2]
+
+
+def test_measure_forward_latency_restores_cache(tmp_path):
+    target, _ = load_target(save_tiny_target(tmp_path / "t"))
+    table = measure_forward_latency(target, tokens=[1, 4], cache_len=16, repeats=1)
+    assert set(table) == {1, 4} and all(v["median"] > 0 for v in table.values())
+
+
+def test_calibrate_cli_writes_tree_that_loads(tmp_path):
+    target_dir = save_tiny_target(tmp_path / "target")
+    target, _ = load_target(target_dir)
+    model = MedusaModel(target, MedusaConfig(num_heads=3))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    heads = tmp_path / "heads"
+    model.save_pretrained(heads)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 160, "category": "writing", "turns": ["write a story"]}) + "\n"
+                         + json.dumps({"question_id": 400, "category": "qa", "turns": ["what is it"]}) + "\n")
+    sys.path.insert(0, str(ROOT))
+    cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
+    report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
+                          "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8",
+                          "--latency-tokens", "1,2,4,8", "--cache-len", "32", "--repeats", "1"])
+    saved = json.loads((heads / "calibration.json").read_text())
+    assert saved["data"]["question_ids"] == [160, 400]
+    acc = saved["accuracy"]["accuracies"]
+    assert len(acc) == 3 and all(len(row) == 4 and 0 <= sum(row) <= 1 + 1e-9 for row in acc)  # 4: the default tree uses rank 3
+    assert set(saved["latency"]) >= {"1", "2", "4", "8", "9"}  # 8 nodes + root measured too
+    assert saved["best"]["choices"] == report["best"]["choices"]
+    best = saved["best"]["choices"]
+    assert best == grow_tree(acc, saved["best"]["size"])
+    assert json.loads((heads / "tree.json").read_text())["choices"] == best
+    reloaded = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
+    assert reloaded.config.choices == best  # used by default from now on
+
+
+def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
+    target_dir = save_tiny_target(tmp_path / "target")
+    heads = tmp_path / "heads"
+    MedusaModel(load_target(target_dir)[0], MedusaConfig(num_heads=2)).save_pretrained(heads)
+    before = {p.name: p.read_bytes() for p in heads.iterdir()}
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 320, "category": "summarization", "turns": ["summarize"]}) + "\n")
+    sys.path.insert(0, str(ROOT))
+    cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
+    report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
+                          "--per-task", "1", "--max-new-tokens", "8", "--topk", "2", "--sizes", "1,2",
+                          "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run"])
+    assert report["written"] is False
+    assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
