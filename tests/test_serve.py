@@ -1,0 +1,385 @@
+"""The OpenAI-compatible server, end to end: a real server subprocess on a tiny random Llama saved to disk.
+
+One server for the whole module (startup is the expensive part); requests are small (<= 24 tokens) except
+where a request must stay busy long enough to be cancelled.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from _serve_utils import ROOT, ServerProcess, metric, save_tiny_model
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+MAX_QUEUE = 7        # 1 running + 7 waiting: exactly 8 concurrent clients fit
+MAX_BODY = 64 * 1024
+CONTEXT = 1024
+LONG_PROMPT = "The quick brown fox"  # greedy continuation has no EOS within 1000 tokens (fixed seed)
+
+
+@functools.cache
+def _server_module():
+    """serve/server.py imported as a module (serve/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("medusa_lite_serve_server", ROOT / "serve" / "server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(target dir, heads dir, in-process MedusaModel, tokenizer) for references."""
+    from medusa_lite import MedusaConfig, MedusaModel
+    from medusa_lite.targets import load_target
+
+    root = tmp_path_factory.mktemp("serve")
+    target_dir = save_tiny_model(root / "target", context=CONTEXT)
+    target, tok = load_target(target_dir)
+    torch.manual_seed(0)
+    model = MedusaModel(target, MedusaConfig(num_heads=3))
+    with torch.no_grad():  # non-zero heads, so drafts differ from the base prediction
+        for p in model.heads.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(root / "heads")
+    return target_dir, root / "heads", model, tok
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    target_dir, heads_dir, _, _ = tiny
+    srv = ServerProcess("--target", str(target_dir), "--heads", str(heads_dir), "--max-queue", str(MAX_QUEUE),
+                        "--max-body-bytes", str(MAX_BODY), "--threads", "1", "--shutdown-timeout", "5")
+    yield srv
+    assert srv.stop() == 0, "graceful shutdown (SIGINT) should exit 0"
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(tiny, ids: list[int], max_new: int) -> tuple[str, list[int], "object"]:
+    """MedusaModel.generate greedy in this process: (text, new ids, stats)."""
+    _, _, model, tok = tiny
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False)
+    new = out[0, len(ids):].tolist()
+    return tok.decode(new, skip_special_tokens=True), new, model.last_stats
+
+
+def chat_ids(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def sse_events(response: httpx.Response) -> list:
+    """Parse an SSE body strictly: only `data: ...` lines and blank separators; [DONE] last."""
+    events, lines = [], [line for line in response.iter_lines()]
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    assert events and events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+# ---------------------------------------------------------------- unit: settings, metric definitions
+def test_settings_precedence_and_unknown_keys(tmp_path):
+    server = _server_module()
+    shipped = server.load_settings(ROOT / "configs" / "serve.yaml", {})
+    assert shipped == server.Settings()  # the shipped YAML states the defaults
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("port: 9000\nmax_queue: 3\n")
+    s = server.load_settings(cfg, {"port": 9100, "dtype": None})
+    assert (s.port, s.max_queue, s.dtype) == (9100, 3, "fp32")  # flag > YAML > default
+    cfg.write_text("prot: 9000\n")
+    with pytest.raises(ValueError, match="prot"):
+        server.load_settings(cfg, {})
+
+
+def test_drafted_depths_mirror_generate_truncation():
+    server = _server_module()
+    # tree depth 3, max_new 8: prefill gives token 1; steps accept 1+1, 0+1, 2+1 ... depth capped near the end
+    assert server.drafted_depths([2, 1, 3, 1], prompt_len=5, max_new=8, tree_depth=3, limit=None) == [3, 3, 3, 0]
+    assert server.drafted_depths([1, 1], prompt_len=5, max_new=100, tree_depth=3, limit=8) == [2, 1]
+
+
+# ---------------------------------------------------------------- the API
+def test_health_and_models(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["target"]
+
+
+def test_completion_streamed_equals_plain_equals_generate(tiny, client):
+    _, _, _, tok = tiny
+    prompt = "Hello world"
+    want, new, _ = reference(tiny, tok(prompt)["input_ids"], 24)
+    plain = client.completions.create(model="target", prompt=prompt, max_tokens=24, temperature=0)
+    assert plain.choices[0].text == want
+    assert plain.usage.completion_tokens == len(new) and plain.usage.prompt_tokens == len(tok(prompt)["input_ids"])
+    assert plain.choices[0].finish_reason == ("stop" if new[-1] == tok.eos_token_id else "length")
+    chunks = list(client.completions.create(model="target", prompt=prompt, max_tokens=24, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_chat_streamed_equals_plain_equals_generate(tiny, client):
+    _, _, _, tok = tiny
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    want, new, _ = reference(tiny, chat_ids(tok, messages), 20)
+    plain = client.chat.completions.create(model="target", messages=messages, max_tokens=20, temperature=0)
+    assert plain.choices[0].message.content == want and plain.choices[0].message.role == "assistant"
+    assert plain.usage.completion_tokens == len(new)
+    stream = client.chat.completions.create(model="target", messages=messages, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(new)
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_raw_sse_format(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
+    # without include_usage: no usage key at all, last chunk before [DONE] carries finish_reason
+    body.pop("stream_options")
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        events = sse_events(r)
+    assert "usage" not in events[0] and events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_strings(tiny, client):
+    _, _, _, tok = tiny
+    full, _, _ = reference(tiny, tok(LONG_PROMPT)["input_ids"], 24)
+    # a printable two-character stop string that first occurs well inside the text
+    pos = next(i for i in range(4, len(full) - 2) if full[i:i + 2].isascii() and full[i:i + 2].strip()
+               and full[i:i + 2].isprintable())
+    stop = full[pos:pos + 2]
+    want = full[:full.find(stop)]
+    for stream in (False, True):
+        args = dict(model="target", prompt=LONG_PROMPT, max_tokens=24, temperature=0, stop=[stop, "\x00never"])
+        if stream:
+            chunks = list(client.completions.create(stream=True, **args))
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            out = client.completions.create(**args)
+            text, reason = out.choices[0].text, out.choices[0].finish_reason
+        assert (text, reason) == (want, "stop")
+
+
+def test_seed_reproducible_and_max_completion_tokens(client):
+    def sample(seed):
+        out = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "hi"}],
+                                             max_completion_tokens=12, temperature=1.0, top_p=0.9, seed=seed)
+        return out.choices[0].message.content, out.usage.completion_tokens
+
+    first = sample(1234)
+    assert first == sample(1234)
+    assert first[1] <= 12
+    assert len({sample(s)[0] for s in (1, 2, 3)} | {first[0]}) > 1  # different seeds, different samples
+
+
+def test_metrics_move_with_generate_stats(tiny, server, client):
+    _, _, _, tok = tiny
+    server_mod = _server_module()
+    before = httpx.get(server.url + "/metrics").text
+    ids = tok("Numbers: 0 1 2")["input_ids"]
+    _, new, stats = reference(tiny, ids, 16)
+    client.completions.create(model="target", prompt="Numbers: 0 1 2", max_tokens=16, temperature=0)
+    after = httpx.get(server.url + "/metrics").text
+
+    def delta(name, labels=""):
+        return metric(after, name, labels) - metric(before, name, labels)
+
+    p = "medusa_lite:"
+    assert delta(p + "spec_decode_num_drafts_total") == stats.verify_steps
+    depths = server_mod.drafted_depths(stats.tokens_per_step, len(ids), 16, 3, CONTEXT)
+    assert delta(p + "spec_decode_num_draft_tokens_total") == sum(depths)
+    accepted = delta(p + "spec_decode_num_accepted_tokens_total")
+    assert accepted == sum(stats.accepted_per_depth) == sum(stats.tokens_per_step) - stats.verify_steps
+    assert 0 <= accepted <= sum(depths)
+    for k, n in enumerate(stats.accepted_per_depth):
+        assert delta(p + "spec_decode_num_accepted_tokens_per_pos_total", f'position="{k}"') == n
+    assert delta(p + "generation_tokens_total") == len(new)
+    assert delta(p + "prompt_tokens_total") == len(ids)
+    assert delta(p + "requests_total", 'status="200"') == 1
+    reason = "stop" if new[-1] == tok.eos_token_id else "length"
+    assert delta(p + "request_success_total", f'finished_reason="{reason}"') == 1
+    assert delta(p + "time_to_first_token_seconds_count") == 1
+    assert delta(p + "e2e_request_latency_seconds_count") == 1
+    assert "# TYPE medusa_lite:spec_decode_num_drafts_total counter" in after
+
+
+BAD = [  # (path, body (dict or raw bytes), status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4.0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10 ** 6]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": CONTEXT}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi " * CONTEXT}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "target"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
+     400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0},
+     400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}, 413, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_an_openai_error(server, path, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = httpx.post(server.url + path, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_unknown_route_and_method_and_chunked_oversize(server):
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+    def body():  # chunked upload: no Content-Length, the size is checked while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b"x" * 1024
+        yield b'"}'
+
+    r = httpx.post(server.url + "/v1/completions", content=body(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="target", messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=4)
+    # and the server still serves
+    assert client.completions.create(model="target", prompt="hi", max_tokens=2, temperature=0).usage
+
+
+def test_eight_concurrent_streaming_clients(tiny, client):
+    _, _, _, tok = tiny
+    prompts = [f"Hello {i} world" for i in range(8)]
+    want = [reference(tiny, chat_ids(tok, [{"role": "user", "content": p}]), 12)[0] for p in prompts]
+    got: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i):
+        try:
+            stream = client.chat.completions.create(model="target", messages=[{"role": "user", "content": prompts[i]}],
+                                                    max_tokens=12, temperature=0, stream=True)
+            got[i] = "".join(c.choices[0].delta.content or "" for c in stream)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and [got.get(i) for i in range(8)] == want
+
+
+def _wait_idle(server, timeout=20.0) -> str:
+    """Poll /metrics until nothing runs or waits; returns the metrics text."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics").text
+        if metric(text, "medusa_lite:num_requests_running") == 0 and \
+                metric(text, "medusa_lite:num_requests_waiting") == 0:
+            return text
+        time.sleep(0.1)
+    raise AssertionError(f"server still busy after {timeout} s")
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    before = httpx.get(server.url + "/metrics").text
+    body = {"prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+            assert len(got) >= 2
+        t0 = time.monotonic()  # the connection is closed here
+    after = _wait_idle(server)
+    assert time.monotonic() - t0 < 20
+    key = ("medusa_lite:request_success_total", 'finished_reason="cancelled"')
+    assert metric(after, *key) - metric(before, *key) == 1
+    assert metric(after, "medusa_lite:generation_tokens_total") == metric(before, "medusa_lite:generation_tokens_total")
+    assert client.completions.create(model="target", prompt="hi", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_full_queue_answers_429_and_cancelled_waiters_leave(server, client):
+    body = {"prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=16)) as http:
+        streams, readers = [], []
+        try:
+            for i in range(1 + MAX_QUEUE):
+                r = http.send(http.build_request("POST", server.url + "/v1/completions", json=body), stream=True)
+                assert r.status_code == 200
+                streams.append(r)
+                if i == 0:  # the first one is generating before the others queue up
+                    readers.append(r.iter_lines())  # keep it referenced: a collected iterator closes the stream
+                    assert next(line for line in readers[0] if line.startswith("data: "))
+            extra = http.post(server.url + "/v1/completions", json=body)
+            assert extra.status_code == 429, extra.text
+            assert extra.json()["error"]["code"] == "queue_full"
+            text = httpx.get(server.url + "/metrics").text
+            assert metric(text, "medusa_lite:num_requests_waiting") == MAX_QUEUE
+        finally:
+            for r in streams:
+                r.close()
+    _wait_idle(server)
+    out = client.completions.create(model="target", prompt="hi", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3 or out.choices[0].finish_reason == "stop"
