@@ -1,0 +1,1 @@
+"""Training scripts: train.py (entry point), data.py, loss.py, export_vllm.py."""

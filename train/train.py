@@ -1,0 +1,725 @@
+"""Fine-tune Medusa heads on a frozen target (self-distillation), with DeepSpeed or in one CPU process.
+
+    medusa-lite train --config configs/train/smollm2-135m.yaml [key=value ...]
+    deepspeed --num_gpus 8 train/train.py --config configs/train/<model>.yaml [key=value ...]
+
+Stages: parse (defaults < YAML < key=value) -> build (target, heads, data, engine) -> run (steps,
+checkpoints, JSONL log) -> save (held-out evaluation, heads directory with card).
+The target is frozen; the optimizer sees only the heads. With ``cache_features`` the target's
+final-norm hidden states are computed once per document and reused every epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import socket
+import sys
+import time
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# run as a script, the script's own folder would shadow the ``train`` package: import from the repo root
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from train import data as D  # noqa: E402
+from train.loss import agreement, medusa_loss, num_positions  # noqa: E402
+
+
+# ================================================================================================ config
+@dataclass
+class TrainConfig:
+    """Every training option, flat. Precedence: these defaults < the YAML file < key=value arguments."""
+
+    # target
+    target: str | None = None             # HF directory or .gguf file; None -> the bundled default target
+    adapter: str | None = None            # PEFT (LoRA) adapter directory, merged into the target
+    # heads
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True
+    # data
+    data: str = "sharegpt"                # 'sharegpt' or a .json / .jsonl file (chat messages or {"text"})
+    max_samples: int | None = 2000        # documents used for training (after a seeded shuffle)
+    eval_samples: int = 50                # held-out documents (disjoint from training)
+    max_doc_len: int = 1024               # documents are truncated to this many tokens
+    seq_len: int = 256                    # training window length
+    num_proc: int | None = None           # datasets.map workers
+    # loss / optimisation
+    loss: str = "kl"                      # 'kl' (self-distillation) or 'ce' (data tokens)
+    decay: float = 0.8                    # head k weight decay**k
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    max_steps: int = 200
+    micro_batch_size: int = 4             # windows per rank per micro step
+    grad_accum: int = 1
+    grad_clip: float = 1.0
+    precision: str = "bf16"               # 'bf16' (target bf16, heads fp32 + bf16 autocast) or 'fp32'
+    cache_features: bool = True           # precompute the target's final-norm hidden states once
+    draft_vocab: int | None = None        # train on the target's distribution restricted to the N most
+                                          # frequent training tokens (speed; evaluation uses the full vocab)
+    threads: int | None = None            # torch.set_num_threads (1 is fastest on a busy shared CPU)
+    # engine
+    deepspeed: str | None = "configs/deepspeed/zero2.json"  # DeepSpeed JSON; None -> plain torch loop
+    # run
+    output_dir: str = "runs/heads"
+    save_every: int = 100                 # checkpoint every N steps (0: only at the end)
+    log_every: int = 10
+    resume: bool = True                   # continue from the latest checkpoint in output_dir
+    max_steps_this_run: int | None = None  # stop (with a checkpoint) after this many steps of this run
+    time_limit_minutes: float | None = None  # stop training (checkpoint, eval, save) after this wall time
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.loss not in ("kl", "ce"):
+            raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
+        if self.precision not in ("bf16", "fp32"):
+            raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        for name in ("num_heads", "num_layers", "seq_len", "max_steps", "micro_batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab is not None and not self.share_lm_head:
+            raise ValueError("draft_vocab needs share_lm_head=True (per-head lm_heads span the full vocabulary)")
+        if self.seq_len <= self.num_heads + 1:
+            raise ValueError(f"seq_len={self.seq_len} must exceed num_heads + 1")
+
+
+_TRUE = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    """``value`` (YAML-typed or a command-line string) -> the field's type, or ValueError naming ``name``."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
+        if optional:
+            return None
+        raise ValueError(f"config key {name!r} may not be null")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in _TRUE:
+                return _TRUE[value.lower()]
+            raise TypeError
+        if base is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value) if not isinstance(value, str) else int(value.replace("_", ""))
+        if base is float:
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        if base is str:
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise TypeError
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise AssertionError(f"unsupported config type {hint}")
+    raise ValueError(f"config key {name!r} expects {getattr(base, '__name__', base)}"
+                     f"{' or null' if optional else ''}, got {value!r}")
+
+
+def build_config(yaml_path: str | None, overrides: list[str]) -> TrainConfig:
+    """Defaults < YAML < ``key=value`` overrides; an unknown or ill-typed key is a ValueError naming it."""
+    import yaml
+
+    hints = typing.get_type_hints(TrainConfig)
+    values: dict[str, Any] = {}
+    if yaml_path is not None:
+        path = Path(yaml_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"training config {yaml_path} not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{yaml_path}: expected a mapping of config keys")
+        values.update(loaded)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"expected key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        values[key.strip()] = value
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown training config key(s) {unknown}; known keys: {sorted(hints)}")
+    return TrainConfig(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML file of TrainConfig keys")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    p.add_argument("overrides", nargs="*", help="key=value TrainConfig overrides")
+    args = p.parse_args(argv)
+    return build_config(args.config, args.overrides), args
+
+
+# ================================================================================================ runtime
+@dataclass
+class Runtime:
+    rank: int
+    world: int
+    device: torch.device
+    distributed: bool
+
+
+def init_runtime(cfg: TrainConfig) -> Runtime:
+    """Process group: under the deepspeed launcher from its env; alone, a world of one (gloo on CPU)."""
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if cfg.deepspeed is None and "WORLD_SIZE" not in os.environ:
+        return Runtime(0, 1, device, False)
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cfg.deepspeed is not None:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Runtime(dist.get_rank(), dist.get_world_size(), device, True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log0(rt: Runtime, *msg: Any) -> None:
+    if rt.rank == 0:
+        print(*msg, flush=True)
+
+
+def barrier(rt: Runtime) -> None:
+    if rt.distributed:
+        dist.barrier()
+
+
+# ================================================================================================ build
+def build_model(cfg: TrainConfig, rt: Runtime):
+    """Frozen target + fresh heads (fp32 master weights). Returns (MedusaModel, tokenizer)."""
+    from medusa_lite import MedusaConfig, MedusaModel
+    from medusa_lite.targets import DEFAULT_TARGET, load_target
+
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    target, tokenizer = load_target(cfg.target, dtype=dtype, device=str(rt.device), adapter=cfg.adapter)
+    head_cfg = MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
+                            base_model=cfg.target or DEFAULT_TARGET)
+    torch.manual_seed(cfg.seed)
+    model = MedusaModel(target, head_cfg)  # freezes the target: requires_grad False, eval()
+    model.heads.float()
+    return model, tokenizer
+
+
+def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D.TokenData, dict[str, Any]]:
+    """(train, held-out) token streams and a summary of what was read."""
+    path = D.resolve_data_path(cfg.data)
+    limit = None if cfg.max_samples is None else cfg.max_samples + cfg.eval_samples
+    records, skipped = D.read_records(path, limit=limit, seed=cfg.seed)
+    if len(records) <= cfg.eval_samples:
+        raise ValueError(f"{path}: {len(records)} valid records, need more than eval_samples={cfg.eval_samples}")
+    if skipped:
+        log0(rt, f"data: skipped {sum(skipped.values())} malformed record(s): {dict(skipped)}")
+    held, train = records[: cfg.eval_samples], records[cfg.eval_samples:]
+    train_data = D.build_token_data(tokenizer, train, max_len=cfg.max_doc_len, num_proc=cfg.num_proc)
+    eval_data = D.build_token_data(tokenizer, held, max_len=cfg.max_doc_len) if held else None
+    summary = {"data": cfg.data, "path": str(path), "train_docs": train_data.num_docs,
+               "train_tokens": int(train_data.ids.numel()), "train_loss_tokens": train_data.num_loss_tokens,
+               "eval_docs": eval_data.num_docs if eval_data else 0,
+               "eval_loss_tokens": eval_data.num_loss_tokens if eval_data else 0,
+               "skipped_records": dict(skipped)}
+    log0(rt, "data: " + json.dumps(summary))
+    return train_data, eval_data, summary
+
+
+@torch.no_grad()
+def target_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] ids -> [B, T, H] final-norm hidden states (what the target's lm_head reads)."""
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                 return_dict=True, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+@torch.no_grad()
+def compute_features(target, data: D.TokenData, rt: Runtime, *, tokens_per_batch: int = 4096,
+                     desc: str = "features", progress: bool = True) -> torch.Tensor:
+    """Final-norm hidden states [N, H] (bf16) of every document, each run with its own full context.
+
+    Documents are length-bucketed (sorted) into batches of about ``tokens_per_batch`` tokens; with
+    several ranks each computes a share and the shares are all-gathered.
+    """
+    from tqdm import tqdm
+
+    slices = data.doc_slices()
+    mine = list(range(rt.rank, len(slices), rt.world))
+    mine.sort(key=lambda i: slices[i][1] - slices[i][0])
+    hidden = torch.zeros(int(data.ids.numel()), target.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+    bar = tqdm(total=sum(slices[i][1] - slices[i][0] for i in mine), desc=desc, unit="tok",
+               disable=not (progress and rt.rank == 0), mininterval=5)
+    i = 0
+    while i < len(mine):
+        longest = slices[mine[i]][1] - slices[mine[i]][0]
+        batch = [mine[i]]
+        i += 1
+        while i < len(mine):
+            length = slices[mine[i]][1] - slices[mine[i]][0]
+            if length * (len(batch) + 1) > tokens_per_batch:
+                break
+            batch.append(mine[i])
+            longest = length
+            i += 1
+        ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, d in enumerate(batch):
+            s, e = slices[d]
+            ids[row, : e - s] = data.ids[s:e]
+            mask[row, : e - s] = 1
+        h = target_hidden(target, ids.to(rt.device), mask.to(rt.device)).to("cpu", torch.bfloat16)
+        for row, d in enumerate(batch):
+            s, e = slices[d]
+            hidden[s:e] = h[row, : e - s]
+        bar.update(int(mask.sum()))
+    bar.close()
+    if rt.world > 1:  # every rank computed distinct documents (rows of others are zero): sum = union
+        gathered = hidden.float()
+        dist.all_reduce(gathered)
+        hidden = gathered.to(torch.bfloat16)
+    return hidden
+
+
+def cached_features(cfg: TrainConfig, target, data: D.TokenData, rt: Runtime, name: str) -> torch.Tensor:
+    """:func:`compute_features`, stored in ``output_dir/features`` so a resumed run reuses them."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(cfg.output_dir) / "features" / f"{name}.safetensors"
+    if path.is_file():
+        state = load_file(str(path))
+        if torch.equal(state["ids"], data.ids):
+            log0(rt, f"features: reusing {path}")
+            return state["hidden"]
+    t0 = time.time()
+    hidden = compute_features(target, data, rt, desc=f"features[{name}]", progress=cfg.progress)
+    log0(rt, f"features[{name}]: {hidden.shape[0]} tokens in {time.time() - t0:.0f}s "
+             f"({hidden.shape[0] / (time.time() - t0):.0f} tok/s)")
+    if rt.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"hidden": hidden.contiguous(), "ids": data.ids}, str(path))
+    barrier(rt)
+    return hidden
+
+
+def load_deepspeed_config(cfg: TrainConfig, rt: Runtime) -> dict[str, Any]:
+    """The DeepSpeed JSON with batch size, precision and clipping injected from the training config."""
+    path = Path(cfg.deepspeed)
+    if not path.is_absolute() and not path.is_file():
+        path = ROOT / path
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config {cfg.deepspeed} not found")
+    ds = json.loads(path.read_text())
+    ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    ds["gradient_accumulation_steps"] = cfg.grad_accum
+    ds["train_batch_size"] = cfg.micro_batch_size * cfg.grad_accum * rt.world
+    ds["gradient_clipping"] = cfg.grad_clip
+    # bf16 master/compute on CUDA; on CPU the heads stay fp32 and matmuls run under bf16 autocast
+    ds["bf16"] = {"enabled": cfg.precision == "bf16" and rt.device.type == "cuda"}
+    ds["fp16"] = {"enabled": False}
+    ds.setdefault("steps_per_print", 10**9)
+    ds["zero_allow_untested_optimizer"] = True
+    return ds
+
+
+def training_projection(cfg: TrainConfig, model, data: D.TokenData) -> torch.nn.Module:
+    """The vocabulary projection used in training: the target's lm_head, or its rows for the
+    ``draft_vocab`` most frequent trained tokens (a frozen [V', H] slice; teacher and heads both use it)."""
+    lm_head = model.base_model.get_output_embeddings()
+    if cfg.draft_vocab is None or cfg.draft_vocab >= lm_head.weight.shape[0]:
+        return lm_head
+    counts = torch.bincount(data.ids[data.mask.bool()], minlength=lm_head.weight.shape[0])
+    keep = counts.topk(cfg.draft_vocab).indices.sort().values                  # [V']
+    proj = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=lm_head.bias is not None,
+                           device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+    with torch.no_grad():
+        proj.weight.copy_(lm_head.weight[keep])
+        if lm_head.bias is not None:
+            proj.bias.copy_(lm_head.bias[keep])
+    proj.requires_grad_(False)
+    proj.coverage = float(counts[keep].sum() / counts.sum().clamp(min=1))
+    return proj
+
+
+def lr_lambda(cfg: TrainConfig):
+    def fn(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return fn
+
+
+class Engine:
+    """The heads' optimiser step, through DeepSpeed (ZeRO-2/3) or plain torch; same calls either way."""
+
+    def __init__(self, cfg: TrainConfig, heads: torch.nn.Module, rt: Runtime):
+        params = [p for p in heads.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.cfg, self.rt = cfg, rt
+        self.ds_config = None
+        if cfg.deepspeed is not None:
+            import deepspeed
+
+            self.ds_config = load_deepspeed_config(cfg, rt)
+            self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=heads, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler,
+                config=self.ds_config)
+        else:
+            self.module, self.optimizer, self.scheduler = heads, optimizer, scheduler
+        self.heads = heads
+
+    @property
+    def zero_stage(self) -> int:
+        return int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.ds_config is not None:
+            self.module.backward(loss)
+        else:
+            (loss / self.cfg.grad_accum).backward()
+
+    def step(self, micro: int) -> None:
+        """Called after every micro step; DeepSpeed counts accumulation itself."""
+        if self.ds_config is not None:
+            self.module.step()
+        elif (micro + 1) % self.cfg.grad_accum == 0:
+            if self.cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.heads.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    # -------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: Path, step: int, state: dict[str, Any]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        tag = f"step{step}"
+        if self.ds_config is not None:
+            self.module.save_checkpoint(str(directory), tag=tag, client_state=state)
+        elif self.rt.rank == 0:
+            torch.save({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "client_state": state},
+                       directory / f"{tag}.pt")
+            (directory / "latest").write_text(tag)
+        barrier(self.rt)
+
+    def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
+        if not (directory / "latest").is_file():
+            return None
+        if self.ds_config is not None:
+            path, state = self.module.load_checkpoint(str(directory))
+            return state if path is not None else None
+        tag = (directory / "latest").read_text().strip()
+        ckpt = torch.load(directory / f"{tag}.pt", map_location="cpu", weights_only=True)
+        self.heads.load_state_dict(ckpt["heads"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        return ckpt["client_state"]
+
+    def gathered(self):
+        """Context in which the full head parameters are materialised (ZeRO-3 partitions them)."""
+        import contextlib
+
+        if self.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.heads.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+
+# ================================================================================================ run
+class Batches:
+    """Deterministic window order: epoch e is a permutation seeded by (seed, e); global step s of an
+    epoch takes the next ``micro * accum * world`` windows, rank r its own slice of each micro step.
+    Resuming at step s therefore replays exactly the order of an uninterrupted run."""
+
+    def __init__(self, starts: torch.Tensor, cfg: TrainConfig, rt: Runtime):
+        self.starts, self.cfg, self.rt = starts, cfg, rt
+        self.global_batch = cfg.micro_batch_size * cfg.grad_accum * rt.world
+        self.steps_per_epoch = len(starts) // self.global_batch
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"{len(starts)} training windows < one global batch of {self.global_batch}; "
+                             "add data or lower micro_batch_size / seq_len")
+
+    def micro_batches(self, step: int) -> list[torch.Tensor]:
+        """Window starts of this rank's ``grad_accum`` micro batches for optimiser step ``step``."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        perm = torch.randperm(len(self.starts), generator=torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch))
+        base = index * self.global_batch
+        mb = self.cfg.micro_batch_size
+        out = []
+        for a in range(self.cfg.grad_accum):
+            lo = base + (a * self.rt.world + self.rt.rank) * mb
+            out.append(self.starts[perm[lo: lo + mb]])
+        return out
+
+
+def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torch.Tensor | None,
+                  starts: torch.Tensor, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [B, T, H], teacher logits [B, T, V], weights [K, B, T], ids [B, T]) for windows at ``starts``."""
+    ids = D.gather_windows(data.ids, starts, cfg.seq_len).to(rt.device)           # [B, T]
+    weights = D.window_weights(data.mask, data.segments, starts, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
+                               total=int(data.ids.numel())).to(rt.device)         # [K, B, T]
+    lm_head = model.base_model.get_output_embeddings()
+    with torch.no_grad(), autocast(cfg, rt):
+        if hidden is not None:
+            h = D.gather_windows(hidden, starts, cfg.seq_len).to(rt.device)       # [B, T, H] cached
+            teacher = proj(h.to(proj.weight.dtype))                                # [B, T, V]
+        else:  # the target forward: its hidden states feed the heads, its logits are the teacher
+            out = model.base_model(input_ids=ids, output_hidden_states=True, return_dict=True)
+            h = out.hidden_states[-1]
+            teacher = out.logits if proj is lm_head else proj(h)
+    return h, teacher, weights, ids
+
+
+def autocast(cfg: TrainConfig, rt: Runtime):
+    return torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+
+def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData, hidden, micro_batches,
+               rt: Runtime):
+    """One optimiser step over this rank's micro batches; returns summed per-head stats."""
+    stats = None
+    for micro, starts in enumerate(micro_batches):
+        h, teacher, weights, ids = window_inputs(cfg, model, proj, data, hidden, starts, rt)
+        with autocast(cfg, rt):
+            head_logits = engine(h.float() if cfg.precision == "fp32" else h, proj)   # [K, B, T, V']
+        loss, s = medusa_loss(head_logits, teacher, weights, ids, loss=cfg.loss, decay=cfg.decay)
+        engine.backward(loss)
+        engine.step(micro)
+        s = {k: v.detach().float() * (s["count"] if k == "loss" else 1) for k, v in s.items()}
+        stats = s if stats is None else {k: stats[k] + s[k] for k in s}
+    if rt.distributed:
+        for v in stats.values():
+            dist.all_reduce(v)
+    return stats
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden, rt: Runtime) -> dict[str, Any]:
+    """Per-head top-1 / top-5 agreement with the target's argmax on the held-out windows."""
+    starts = D.make_windows(data, seq_len=cfg.seq_len, num_heads=cfg.num_heads)
+    mine = starts[rt.rank::rt.world]
+    hits = {1: torch.zeros(cfg.num_heads), 5: torch.zeros(cfg.num_heads)}
+    count = torch.zeros(cfg.num_heads)
+    lm_head = model.base_model.get_output_embeddings()
+    n = num_positions(cfg.seq_len, cfg.num_heads)
+    with engine.gathered():
+        for i in range(0, len(mine), cfg.micro_batch_size):
+            h, teacher, weights, _ = window_inputs(cfg, model, lm_head, data, hidden,
+                                                   mine[i: i + cfg.micro_batch_size], rt)
+            with autocast(cfg, rt):
+                head_logits = model.heads(h.float() if cfg.precision == "fp32" else h, lm_head)
+            got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5))
+            for k in hits:
+                hits[k] += got[k]
+            count += weights[:, :, :n].sum((1, 2)).cpu()
+    if rt.distributed:
+        for t in (*hits.values(), count):
+            dist.all_reduce(t)
+    c = count.clamp(min=1)
+    return {"eval_positions": int(count[0]), "top1": [round(float(x), 4) for x in hits[1] / c],
+            "top5": [round(float(x), 4) for x in hits[5] / c]}
+
+
+def run(cfg: TrainConfig, model, proj, engine: Engine, train_data, train_hidden, rt: Runtime) -> dict[str, Any]:
+    """The training loop with resume, checkpoints, JSONL log and progress bar; returns run statistics."""
+    from tqdm import tqdm
+
+    out = Path(cfg.output_dir)
+    ckpt_dir = out / "checkpoints"
+    state = engine.load_checkpoint(ckpt_dir) if cfg.resume else None
+    step = int(state["step"]) if state else 0
+    tokens = int(state["tokens"]) if state else 0
+    elapsed = float(state["train_seconds"]) if state else 0.0
+    if state:
+        log0(rt, f"resumed from {ckpt_dir} at step {step}")
+    batches = Batches(D.make_windows(train_data, seq_len=cfg.seq_len, num_heads=cfg.num_heads), cfg, rt)
+    stop = cfg.max_steps if cfg.max_steps_this_run is None else min(cfg.max_steps, step + cfg.max_steps_this_run)
+    log_file = (out / "train_log.jsonl").open("a") if rt.rank == 0 else None
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step",
+               disable=not (cfg.progress and rt.rank == 0), mininterval=5)
+    positions_per_step = batches.global_batch * num_positions(cfg.seq_len, cfg.num_heads)
+    window_stats, window_t0, window_steps = None, time.time(), 0
+    t_start = time.time()
+    timed_out = False
+    while step < stop:
+        stats = train_step(cfg, model, proj, engine, train_data, train_hidden, batches.micro_batches(step), rt)
+        step += 1
+        tokens += int(stats["count"][0])
+        window_stats = stats if window_stats is None else {k: window_stats[k] + stats[k] for k in stats}
+        window_steps += 1
+        bar.update(1)
+        timed_out = cfg.time_limit_minutes is not None and \
+            elapsed + time.time() - t_start > 60 * cfg.time_limit_minutes
+        if step % cfg.log_every == 0 or step == stop or timed_out:
+            dt = time.time() - window_t0
+            c = window_stats["count"].clamp(min=1)
+            record = {"step": step, "epoch": round(step / batches.steps_per_epoch, 3),
+                      "loss": [round(float(x), 4) for x in window_stats["loss"] / c],
+                      "top1": [round(float(x), 4) for x in window_stats["top1"] / c],
+                      "lr": engine.lr(), "tokens": tokens,
+                      "positions_per_s": round(window_steps * positions_per_step / dt, 1),
+                      "loss_tokens_per_s": round(float(window_stats["count"][0]) / dt, 1)}
+            if log_file:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            bar.set_postfix(loss=record["loss"][0], top1=record["top1"][0])
+            window_stats, window_t0, window_steps = None, time.time(), 0
+        if (cfg.save_every and step % cfg.save_every == 0) or step == stop or timed_out:
+            engine.save_checkpoint(ckpt_dir, step, {"step": step, "tokens": tokens,
+                                                    "train_seconds": elapsed + time.time() - t_start})
+        if timed_out:
+            log0(rt, f"time limit of {cfg.time_limit_minutes} min reached at step {step}")
+            break
+    bar.close()
+    if log_file:
+        log_file.close()
+    finished = step >= cfg.max_steps or timed_out
+    this_run = time.time() - t_start
+    return {"step": step, "tokens": tokens, "train_seconds": elapsed + this_run, "this_run_seconds": this_run,
+            "this_run_steps": step - (int(state["step"]) if state else 0),
+            "positions_per_step": positions_per_step, "finished": finished}
+
+
+# ================================================================================================ save
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores"
+
+
+def save_heads(cfg: TrainConfig, model, engine: Engine, rt: Runtime, provenance: dict[str, Any]) -> Path:
+    """Heads directory (MedusaModel.save_pretrained) + README.md card; full weights under ZeRO-3."""
+    out = Path(cfg.output_dir) / "heads"
+    with engine.gathered():
+        if rt.rank == 0:
+            model.config.training = provenance
+            model.save_pretrained(out)
+            (out / "README.md").write_text(model_card(provenance))
+    barrier(rt)
+    return out
+
+
+def model_card(p: dict[str, Any]) -> str:
+    ev = p.get("eval", {})
+    rows = "\n".join(f"| {k + 1} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} |" for k in range(len(ev.get("top1", []))))
+    return f"""# Medusa heads for {p['base_model']}
+
+{p['num_heads']} Medusa heads ({p['num_layers']} ResBlock each, shared frozen lm_head) trained by
+medusa_lite {p['library_version']} with {p['loss']} self-distillation on the frozen target.
+
+- data: {p['data']['data']} ({p['data']['train_docs']} training documents, {p['data']['train_loss_tokens']} assistant tokens; {p['data']['eval_docs']} held-out documents)
+- tokens seen (trained head-1 positions): {p['tokens_seen']}
+- steps: {p['steps']}, global batch {p['global_batch_windows']} windows x {p['seq_len']} tokens
+- wall time: {p['wall_seconds'] / 60:.1f} min (training {p['train_seconds'] / 60:.1f} min,
+  {p['positions_per_s']:.0f} positions/s)
+- hardware: {p['hardware']} ({p['world_size']} process(es), engine: {p['engine']})
+- command: `{p['command']}`
+
+Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)} assistant positions):
+head k proposes the token k+1 positions after the target's own next token.
+
+| head | top-1 | top-5 |
+|---:|---:|---:|
+{rows}
+
+Config: see `training.config` in `medusa_config.json`.
+"""
+
+
+# ================================================================================================ main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    t0 = time.time()
+    # --- parse
+    cfg, _ = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rt = init_runtime(cfg)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log0(rt, "config: " + json.dumps(dataclasses.asdict(cfg)))
+    # --- build
+    model, tokenizer = build_model(cfg, rt)
+    train_data, eval_data, data_summary = build_data(cfg, tokenizer, rt)
+    train_hidden = cached_features(cfg, model.base_model, train_data, rt, "train") if cfg.cache_features else None
+    eval_hidden = cached_features(cfg, model.base_model, eval_data, rt, "eval") \
+        if cfg.cache_features and eval_data else None
+    proj = training_projection(cfg, model, train_data)
+    if proj is not model.base_model.get_output_embeddings():
+        log0(rt, f"draft vocabulary: {proj.out_features} tokens cover {proj.coverage:.4f} of trained tokens")
+    engine = Engine(cfg, model.heads, rt)
+    # --- run
+    stats = run(cfg, model, proj, engine, train_data, train_hidden, rt)
+    if not stats["finished"]:
+        log0(rt, f"stopped at step {stats['step']} of {cfg.max_steps} (max_steps_this_run); resume to finish")
+        return {"stats": stats}
+    # --- save
+    metrics = evaluate(cfg, model, engine, eval_data, eval_hidden, rt) if eval_data else {}
+    log0(rt, "eval: " + json.dumps(metrics))
+    provenance = {
+        "base_model": model.config.base_model, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers,
+        "library_version": model.config.library_version, "loss": cfg.loss, "data": data_summary,
+        "tokens_seen": stats["tokens"], "steps": stats["step"], "seq_len": cfg.seq_len,
+        "global_batch_windows": cfg.micro_batch_size * cfg.grad_accum * rt.world,
+        "train_seconds": round(stats["train_seconds"], 1), "wall_seconds": round(time.time() - t0, 1),
+        "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
+        "hardware": hardware(), "world_size": rt.world,
+        "engine": f"deepspeed ZeRO-{engine.zero_stage}" if cfg.deepspeed else "torch",
+        "command": " ".join(["medusa-lite train", *sys.argv[1:]]) if sys.argv[0].startswith("medusa-lite")
+        else " ".join(["python", *sys.argv]),
+        "eval": metrics, "config": dataclasses.asdict(cfg),
+    }
+    heads_dir = save_heads(cfg, model, engine, rt, provenance)
+    log0(rt, f"saved heads to {heads_dir}")
+    if rt.distributed:
+        dist.barrier()
+    return {"stats": stats, "eval": metrics, "heads_dir": str(heads_dir)}
+
+
+if __name__ == "__main__":
+    main()
