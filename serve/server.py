@@ -34,6 +34,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.generate import GenerationStats, context_length
@@ -214,8 +216,14 @@ def parse_request(schema: type[_Common], body: Any) -> _Common:
         loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
         # "stop.str" / "prompt.list[int]" name union members: report the field the client sent
         param = loc[0] if loc else None
+        if err["type"] == "missing":
+            code = "missing_required_parameter"
+        elif err["type"].startswith(("greater_than", "less_than")):
+            code = "invalid_value"
+        else:
+            code = "invalid_type"
         raise APIError(400, f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}", param=param,
-                       code="invalid_type" if "type" in err["type"] or "valid" in err["msg"] else "invalid_value")
+                       code=code)
     _check_unsupported(req)
     return req
 
@@ -311,7 +319,7 @@ class Cancelled(Exception):
     """Raised inside ``generate`` (from the streamer) when a request is cancelled."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: jobs are found in the queue by identity
 class Job:
     """One admitted request; the worker reports to ``events`` (an asyncio queue) via ``emit``."""
 
@@ -492,8 +500,9 @@ class Engine:
         detok = Detokenizer(self.tok, self.tok_lock, job.stop)
         streamer = _JobStreamer(job, detok, self.metrics)
         kwargs = dict(job.gen_kwargs)
-        if job.stop:
-            kwargs.update(stop_strings=job.stop, tokenizer=self.tok)
+        if job.stop:  # built here, under the lock: the event loop thread tokenizes concurrently
+            with self.tok_lock:
+                kwargs["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tok, job.stop)])
         ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.model.device)
         try:
             if job.cancel.is_set():
@@ -583,6 +592,39 @@ async def _events(job: Job, engine: Engine, request: Request) -> AsyncIterator[t
             engine.cancel(job)
 
 
+class _CountStatus:
+    """ASGI middleware: count /v1/ responses by HTTP status (pure ASGI, so streams pass through untouched)."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _JobStream(StreamingResponse):
+    """An SSE response that cancels its job however the response ends (a no-op for a finished job)."""
+
+    def __init__(self, content, job: Job, engine: Engine):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.engine = job, engine
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine.cancel(self.job)
+
+
 def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name: str) -> FastAPI:
     """The FastAPI app around a started-or-not engine (started in the lifespan)."""
     from contextlib import asynccontextmanager
@@ -596,12 +638,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
     app = FastAPI(title="medusa_lite", lifespan=lifespan)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/"):
-            metrics.requests.labels(status=str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountStatus, counter=metrics.requests)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -673,8 +710,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
 
     def respond(job: Job, req: _Common, request: Request, chat: bool):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(stream(job, request, chat, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _JobStream(stream(job, request, chat, include_usage), job, engine)
 
     @app.get("/health")
     async def health():
