@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import signal
 import sys
 import threading
 import time
@@ -383,3 +384,22 @@ def test_full_queue_answers_429_and_cancelled_waiters_leave(server, client):
     _wait_idle(server)
     out = client.completions.create(model="target", prompt="hi", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3 or out.choices[0].finish_reason == "stop"
+
+
+def test_graceful_shutdown_finishes_the_running_stream(tiny):
+    """SIGINT: no new connections, the in-flight stream runs to its end, then the process exits 0."""
+    target_dir, heads_dir, _, _ = tiny
+    srv = ServerProcess("--target", str(target_dir), "--heads", str(heads_dir), "--threads", "1",
+                        "--shutdown-timeout", "60")
+    try:
+        body = {"prompt": LONG_PROMPT, "max_tokens": 60, "temperature": 0, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            srv.proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(30) == 0
+    finally:
+        srv.stop()
