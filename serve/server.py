@@ -65,6 +65,14 @@ class Settings:
     shutdown_timeout: float = 10.0       # seconds to finish in-flight requests on SIGINT/SIGTERM
     log_level: str = "info"
 
+    def __post_init__(self) -> None:
+        checks = {"port": 0 <= self.port < 65536, "max_queue": self.max_queue >= 0,
+                  "default_max_tokens": self.default_max_tokens >= 1, "max_body_bytes": self.max_body_bytes >= 1024,
+                  "dtype": self.dtype in ("fp32", "bf16", "fp16"), "shutdown_timeout": self.shutdown_timeout >= 0}
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid serve settings: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
+
 
 def load_settings(yaml_path: Path | None, overrides: dict[str, Any]) -> Settings:
     """Defaults < YAML < ``overrides`` (flags given on the command line). Unknown YAML keys raise."""

@@ -110,6 +110,8 @@ def test_settings_precedence_and_unknown_keys(tmp_path):
     cfg.write_text("prot: 9000\n")
     with pytest.raises(ValueError, match="prot"):
         server.load_settings(cfg, {})
+    with pytest.raises(ValueError, match="max_queue"):
+        server.load_settings(None, {"max_queue": -1})
 
 
 def test_drafted_depths_mirror_generate_truncation():
