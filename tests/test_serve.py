@@ -13,7 +13,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
