@@ -582,15 +582,20 @@ def _budget(engine: Engine, prompt_len: int, requested: int | None, default: int
 
 
 async def _events(job: Job, engine: Engine, request: Request) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events; cancels the job when the client goes away (checked every 0.25 s while idle)."""
+    """The job's events; cancels the job when the client goes away (checked every 0.25 s)."""
     finished = False
+    checked = time.monotonic()
     try:
         while True:
             try:
                 kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                kind = None
+            if time.monotonic() - checked >= 0.25:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return
+            if kind is None:
                 continue
             if kind != "delta":
                 finished = True

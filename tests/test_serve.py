@@ -404,3 +404,13 @@ def test_graceful_shutdown_finishes_the_running_stream(tiny):
         assert srv.proc.wait(30) == 0
     finally:
         srv.stop()
+
+
+def test_disconnect_while_waiting_for_a_plain_answer(server):
+    before = httpx.get(server.url + "/metrics").text
+    body = {"prompt": LONG_PROMPT, "max_tokens": 900, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    after = _wait_idle(server)
+    key = ("medusa_lite:request_success_total", 'finished_reason="cancelled"')
+    assert metric(after, *key) - metric(before, *key) == 1
