@@ -1,0 +1,73 @@
+"""Tiny random models built in-process under a fixed seed (never Hub ids)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+
+def tiny_model(arch: str = "llama", vocab: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32,
+               init: float = 0.2, layers: int = 2, hidden: int = 64, eos: int | None = None):
+    """A tiny random decoder. ``init`` (initializer_range) large enough that logits are peaky, so greedy
+    near-ties (which make any two float computations disagree) are rare."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, initializer_range=init, bos_token_id=0, eos_token_id=eos, pad_token_id=None)
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **common)
+        model = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **common)
+        model = Qwen2ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=1024, **common)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = eos
+    return model.to(dtype).eval()
+
+
+def oracle_draft(reference: torch.Tensor, num_heads: int, topk: int, vocab: int):
+    """A draft function that always proposes the reference continuation at rank 0.
+
+    reference: [L] the plain-decoding output (prompt + new). The root is the last token of ``ids``,
+    so head k proposes reference[len(ids) + k].
+    """
+    ref = reference.tolist()
+
+    def draft(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.numel()
+        rows = []
+        for k in range(num_heads):
+            true = ref[n + k] if n + k < len(ref) else 0
+            rows.append([true] + [(true + 1 + r) % vocab for r in range(topk - 1)])
+        return torch.tensor(rows, device=ids.device)
+
+    return draft
+
+
+@pytest.fixture
+def prompt() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 128, (1, 12), generator=g)
+
+
+def tiny_tokenizer(vocab: int = 128):
+    """A byte-level tokenizer over the ASCII bytes 0..vocab-1 (one token per byte) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()
+    tok = Tokenizer(models.BPE({byte_chars[b]: b for b in range(vocab)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="\x00", eos_token="\x02", pad_token="\x02")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return fast

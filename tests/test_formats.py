@@ -1,0 +1,108 @@
+"""Heads format: round trip, only heads files written, mismatched targets refused, no pickle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+
+from medusa_lite import HeadsMismatchError, MedusaConfig, MedusaModel
+from medusa_lite.config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME
+
+
+def _trained(model: MedusaModel) -> MedusaModel:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_round_trip(tmp_path, share):
+    target = tiny_model("llama")
+    tree = [[0], [1], [0, 0]]
+    model = _trained(MedusaModel(target, MedusaConfig(num_heads=3, num_layers=2, share_lm_head=share, tree=tree)))
+    model.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, TREE_NAME])
+    saved = load_file(str(tmp_path / WEIGHTS_NAME))
+    assert not any("base_model" in k or "embed" in k for k in saved)
+    assert any("lm_heads" in k for k in saved) == (not share)
+    loaded = MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
+    for (k, a), (k2, b) in zip(model.heads.state_dict().items(), loaded.heads.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    assert loaded.config.choices == tree
+    assert loaded.config.num_layers == 2 and loaded.config.share_lm_head == share
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(ids, max_new_tokens=8), loaded.generate(ids, max_new_tokens=8))
+
+
+def test_repeated_blocks_are_distinct_modules():
+    model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=3, num_layers=2))
+    blocks = [b for head in model.heads.blocks for b in head]
+    assert len({id(b) for b in blocks}) == 6
+
+
+def test_fresh_heads_reproduce_base_prediction():
+    target = tiny_model("llama")
+    model = MedusaModel(target, MedusaConfig(num_heads=2))
+    ids = torch.tensor([[5, 6, 7]])
+    out, head_logits = model(ids)
+    for k in range(2):
+        assert torch.allclose(head_logits[k], out.logits, atol=1e-6)
+
+
+def test_mismatched_target_shape(tmp_path):
+    MedusaModel(tiny_model("llama", vocab=128), MedusaConfig(num_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(HeadsMismatchError, match="trained for a target"):
+        MedusaModel.from_pretrained(tiny_model("llama", vocab=96), tmp_path)
+    with pytest.raises(HeadsMismatchError):
+        MedusaModel.from_pretrained(tiny_model("qwen2"), tmp_path)
+
+
+def test_mismatched_target_weights(tmp_path):
+    MedusaModel(tiny_model("llama", seed=0), MedusaConfig(num_heads=2)).save_pretrained(tmp_path)
+    with pytest.raises(HeadsMismatchError, match="lm_head"):
+        MedusaModel.from_pretrained(tiny_model("llama", seed=1), tmp_path)
+
+
+def test_same_target_other_dtype_loads(tmp_path):
+    MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=2)).save_pretrained(tmp_path)
+    model = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.bfloat16), tmp_path)
+    assert next(model.heads.parameters()).dtype == torch.bfloat16
+
+
+def test_malformed_configs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="medusa_config.json"):
+        MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
+    (tmp_path / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        MedusaConfig.load(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"num_heads": 0}))
+    with pytest.raises(ValueError, match="num_heads"):
+        MedusaConfig.load(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"num_heads": 2, "tree": [[0], [0, 0, 0]]}))
+    with pytest.raises(ValueError, match="no parent"):
+        MedusaConfig.load(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({"num_heads": 2, "future_key": 1}))
+    with pytest.warns(UserWarning, match="future_key"):
+        MedusaConfig.load(tmp_path)
+    with pytest.raises(ValueError, match="unknown MedusaConfig keys"):
+        MedusaConfig.from_dict({"num_heads": 2, "nmu_layers": 1})
+
+
+def test_no_pickle_is_loaded(tmp_path, monkeypatch):
+    MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=2)).save_pretrained(tmp_path)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.load (pickle) must never be used")
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
+    (tmp_path / WEIGHTS_NAME).unlink()
+    (tmp_path / "heads.pt").write_bytes(b"pickle")
+    with pytest.raises(FileNotFoundError, match="heads.safetensors"):
+        MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)

@@ -1,0 +1,136 @@
+"""Greedy exactness: medusa_lite output equals target.generate(do_sample=False) token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import oracle_draft, tiny_model
+
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.tree import chain
+
+TREES = {
+    "chain": chain(4),
+    "default": None,
+    "wide": [[0], [1], [2], [3], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0], [2, 0]],
+    "root-only-depth1": [[0]],
+}
+
+
+def _random_heads(model: MedusaModel, seed: int = 0) -> MedusaModel:
+    """Give the heads random weights so their proposals are arbitrary (acceptance is then partial)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("heads", ["random", "oracle"])
+def test_greedy_equals_plain(arch, tree, heads, prompt):
+    target = tiny_model(arch)
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    model = MedusaModel(target, MedusaConfig(num_heads=4, tree=TREES[tree]))
+    if heads == "random":
+        _random_heads(model)
+    else:
+        model.draft = oracle_draft(ref[0], 4, model._topk, 128)
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(out, ref)
+    stats = model.last_stats
+    assert stats.new_tokens == 40
+    if heads == "oracle" and tree != "root-only-depth1":
+        assert stats.mean_accepted_tokens > 3.0  # whole paths accepted
+        assert stats.target_forwards <= 1 + 40 // 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_greedy_bf16(arch, prompt):
+    """bf16: equal to plain bf16 decoding; a divergence is allowed only at a genuine near-tie."""
+    target = tiny_model(arch, dtype=torch.bfloat16)
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=4)))
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False)
+    if not torch.equal(out, ref):
+        first = int((out[0] != ref[0]).nonzero()[0])
+        logits = target(ref[:, :first]).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) <= 0.0625 * float(top2[0].abs()) + 1e-3, "mismatch without a near-tie"
+        pytest.skip(f"bf16 near-tie at position {first}")
+
+
+@pytest.mark.parametrize("heads", ["random", "oracle"])
+def test_eos_inside_accepted_chunk(heads, prompt):
+    """Nothing after EOS, even when EOS is accepted in the middle of a chunk."""
+    target = tiny_model("llama", eos=None)
+    free = target.generate(prompt, max_new_tokens=30, do_sample=False)[0, prompt.shape[1]:]
+    eos = int(free[9])  # make the 10th generated token the EOS token
+    target.generation_config.eos_token_id = eos
+    ref = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    model = MedusaModel(target, MedusaConfig(num_heads=4, tree=chain(4)))
+    if heads == "oracle":
+        model.draft = oracle_draft(torch.cat([ref[0], free[10:]]), 4, 1, 128)
+    else:
+        _random_heads(model)
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(out, ref)
+    assert int(out[0, -1]) == eos
+    if heads == "oracle":
+        assert max(model.last_stats.tokens_per_step) > 1  # EOS really landed inside an accepted chunk
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7, 13])
+def test_max_new_tokens_inside_chunk(max_new, prompt):
+    target = tiny_model("llama")
+    ref = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
+    model = MedusaModel(target, MedusaConfig(num_heads=4, tree=chain(4)))
+    model.draft = oracle_draft(target.generate(prompt, max_new_tokens=40, do_sample=False)[0], 4, 1, 128)
+    out = model.generate(prompt, max_new_tokens=max_new, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_eos_none_and_eos_list(prompt):
+    target = tiny_model("llama")
+    model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=4)))
+    free = target.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None), free)
+    eos_list = [int(free[0, prompt.shape[1] + 5]), 127]
+    ref = target.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=eos_list)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=eos_list), ref)
+
+
+def test_long_prompt():
+    target = tiny_model("llama")
+    prompt = torch.randint(1, 128, (1, 600), generator=torch.Generator().manual_seed(3))
+    ref = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=4)))
+    assert torch.equal(model.generate(prompt, max_new_tokens=30, do_sample=False), ref)
+
+
+def test_generation_config_and_attention_mask(prompt):
+    from transformers import GenerationConfig
+
+    target = tiny_model("qwen2")
+    model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=3)))
+    cfg = GenerationConfig(max_new_tokens=17, do_sample=False)
+    ref = target.generate(prompt, generation_config=cfg)
+    assert torch.equal(model.generate(prompt, generation_config=cfg), ref)
+    mask = torch.ones_like(prompt)
+    assert torch.equal(model.generate(prompt, attention_mask=mask, max_new_tokens=17), ref)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1)
+    pmask = torch.cat([torch.zeros(1, 3, dtype=torch.long), mask], dim=1)
+    out = model.generate(padded, attention_mask=pmask, max_new_tokens=17)
+    assert torch.equal(out[:, 3:], ref)
+
+
+def test_context_limit_near_end():
+    """Trees shrink near the context end; no position beyond the model's limit is ever used."""
+    target = tiny_model("gpt2")
+    prompt = torch.randint(1, 128, (1, 1000), generator=torch.Generator().manual_seed(4))
+    ref = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=4)))
+    assert torch.equal(model.generate(prompt, max_new_tokens=24, do_sample=False), ref)
+    with pytest.raises(ValueError, match="context length"):
+        model.generate(prompt, max_new_tokens=25)

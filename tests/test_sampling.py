@@ -1,0 +1,163 @@
+"""Sampling exactness by Monte Carlo.
+
+A tiny-vocabulary model; the exact joint distribution of the first three new tokens by enumeration
+(through transformers' own warpers); total-variation distance of >= 20k medusa_lite samples under a
+bound derived from the sample size. The same harness must reject deliberately wrong acceptance rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import medusa_lite.generate as gen_mod
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.sampling import build_warpers, target_probs
+
+VOCAB, NEW, N_SAMPLES = 5, 3, 20_000
+PROMPT = torch.tensor([[1, 2, 3, 4]])
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1]]  # depth 2: acceptance, rejection, bonus all exercised
+
+
+def make_model() -> MedusaModel:
+    target = tiny_model("llama", vocab=VOCAB, init=0.12, layers=1, hidden=32, seed=3)
+    model = MedusaModel(target, MedusaConfig(num_heads=2, tree=TREE))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def exact_distribution(model: MedusaModel, **gen) -> dict[tuple[int, ...], float]:
+    """P(x1..x3) = prod_i p(x_i | prompt, x_<i), each p after the same warpers plain sampling uses."""
+    config, _ = model.base_model._prepare_generation_config(None, do_sample=True, **gen)
+    warpers = build_warpers(config)
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))  # [V^3, 3]
+    ids = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)  # [S, L+3]
+    with torch.no_grad():
+        logits = model.base_model(ids).logits[:, PROMPT.shape[1] - 1:-1]  # [S, 3, V]
+    probs = target_probs(logits.reshape(-1, VOCAB), warpers).reshape(len(seqs), NEW, VOCAB)
+    p = probs.gather(-1, seqs[..., None]).squeeze(-1).double().prod(-1)  # [S]
+    return {tuple(s.tolist()): float(q) for s, q in zip(seqs, p)}
+
+
+def sample_counts(model: MedusaModel, n: int, seed: int = 0, **gen) -> Counter:
+    torch.manual_seed(seed)
+    counts = Counter()
+    for _ in range(n):
+        out = model.generate(PROMPT, max_new_tokens=NEW, do_sample=True, eos_token_id=None, **gen)
+        counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
+    return counts
+
+
+def tv_distance(exact: dict, counts: Counter, n: int) -> float:
+    keys = set(exact) | set(counts)
+    return 0.5 * sum(abs(exact.get(k, 0.0) - counts.get(k, 0) / n) for k in keys)
+
+
+def tv_bound(num_outcomes: int, n: int, delta: float = 1e-4) -> float:
+    """Bretagnolle-Huber-Carol: P(TV > eps) <= 2^K exp(-2 n eps^2); eps for failure probability delta."""
+    return math.sqrt((num_outcomes * math.log(2) + math.log(1 / delta)) / (2 * n))
+
+
+def _support(exact: dict) -> int:
+    return sum(1 for p in exact.values() if p > 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gen", [
+    {"temperature": 1.0, "top_k": 0},
+    {"temperature": 0.7, "top_k": 0},
+    {"temperature": 1.0, "top_k": 3},
+    {"temperature": 1.0, "top_k": 0, "top_p": 0.8},
+], ids=["T1", "T0.7", "topk3", "topp0.8"])
+def test_sampling_matches_target_distribution(gen):
+    model = make_model()
+    exact = exact_distribution(model, **gen)
+    counts = sample_counts(model, N_SAMPLES, **gen)
+    tv = tv_distance(exact, counts, N_SAMPLES)
+    bound = tv_bound(_support(exact), N_SAMPLES)
+    assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f}"
+    # the tree was really used: some steps accepted drafted tokens
+    assert all(p == 0 or k in exact for k, p in counts.items())
+
+
+# ---------------------------------------------------------------- deliberately wrong rules
+def _wrong_rule(kind: str):
+    """An acceptance walk with a classic bug, run on the same probabilities the real rule sees."""
+    last_probs = {}
+    real_sample = gen_mod.sample_choice
+
+    def recording_sample(probs, generator=None):
+        last_probs["p"] = probs
+        return real_sample(probs, generator)
+
+    def wrong_accept(tokens, choice, paths):
+        probs = last_probs["p"]  # [N, V]
+        children = {}
+        for path in paths.tolist():
+            for parent, child in zip(path, path[1:]):
+                if child >= 0:
+                    children.setdefault(parent, [])
+                    if child not in children[parent]:
+                        children[parent].append(child)
+        node, nodes = 0, [0]
+        while True:
+            kids = children.get(node, [])
+            p = probs[node].double()
+            if kind == "no_coin" and kids:  # accept the first child whenever it is possible at all
+                if p[tokens[kids[0]]] > 0:
+                    node = kids[0]; nodes.append(node); continue
+                return torch.tensor(nodes), torch.multinomial(p, 1)[0]
+            # "residual": accept child c with prob p(c) but on rejection draw from p, not p without c
+            for c in kids:
+                if torch.rand(()) < p[tokens[c]]:
+                    node = c; nodes.append(c); break
+            else:
+                return torch.tensor(nodes), torch.multinomial(p, 1)[0]
+
+    return recording_sample, wrong_accept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["no_coin", "residual"])
+def test_harness_rejects_wrong_rule(kind, monkeypatch):
+    model = make_model()
+    sample, accept = _wrong_rule(kind)
+    monkeypatch.setattr(gen_mod, "sample_choice", sample)
+    monkeypatch.setattr(gen_mod, "accept", accept)
+    n = 6000
+    exact = exact_distribution(model, temperature=1.0, top_k=0)
+    counts = sample_counts(model, n, temperature=1.0, top_k=0)
+    tv = tv_distance(exact, counts, n)
+    assert tv > tv_bound(_support(exact), n), f"wrong rule {kind} not detected (TV {tv:.4f})"
+
+
+def test_exact_distribution_sums_to_one():
+    model = make_model()
+    for gen in ({"temperature": 0.7, "top_k": 0}, {"top_p": 0.8, "top_k": 0}):
+        assert abs(sum(exact_distribution(model, **gen).values()) - 1) < 1e-6
+
+
+def test_sampling_uses_the_tree():
+    """The distribution test is only meaningful if drafted tokens are accepted and rejected."""
+    model = make_model()
+    torch.manual_seed(0)
+    steps = []
+    for _ in range(200):
+        model.generate(PROMPT, max_new_tokens=NEW, do_sample=True, top_k=0)
+        steps += model.last_stats.tokens_per_step
+    assert 1 in steps and max(steps) >= 2
+
+
+def test_zero_probability_never_sampled():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    for _ in range(200):
+        draws = gen_mod.sample_choice(probs)
+        assert probs[torch.arange(3), draws].gt(0).all()

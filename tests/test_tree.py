@@ -1,0 +1,80 @@
+"""Tree buffers and the acceptance walk as pure functions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_lite.tree import (attention_bias, build_buffers, chain, expected_length, grow_tree, load_tree,
+                              tree_tokens, validate_choices)
+from medusa_lite.verify import accept
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_buffers_small_tree():
+    b = build_buffers([[0], [1], [0, 0], [0, 1], [1, 0]])
+    assert b.num_nodes == 6 and b.depth == 2 and b.topk == 2
+    assert b.depths.tolist() == [0, 1, 1, 2, 2, 2]
+    # node [0,1] (index 4) sees root, [0] and itself only
+    assert b.ancestor_mask[4].tolist() == [True, True, False, False, True, False]
+    assert sorted(map(tuple, b.paths.tolist())) == [(0, 1, 3), (0, 1, 4), (0, 2, 5)]
+    topk = torch.tensor([[10, 11], [20, 21]])
+    assert tree_tokens(torch.tensor(9), topk, b).tolist() == [9, 10, 11, 20, 21, 20]
+
+
+def test_attention_bias_sees_cache_and_ancestors():
+    b = build_buffers(chain(3))
+    bias = attention_bias(b, cache_len=4, dtype=torch.float32)
+    assert bias.shape == (1, 1, 4, 8)
+    allowed = bias[0, 0] == 0
+    assert allowed[:, :4].all()
+    assert torch.equal(allowed[:, 4:], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+def test_root_only_tree():
+    b = build_buffers([])
+    assert b.num_nodes == 1 and b.paths.tolist() == [[0]]
+    nodes, bonus = accept(torch.tensor([5]), torch.tensor([7]), b.paths)
+    assert nodes.tolist() == [0] and int(bonus) == 7
+
+
+def test_accept_walk():
+    b = build_buffers([[0], [1], [0, 0], [1, 0]])
+    tokens = torch.tensor([9, 3, 4, 5, 6])
+    # the target picks 4 at the root -> child [1]; then 6 at node [1] -> child [1,0]; then 8 there (bonus)
+    choice = torch.tensor([4, 0, 6, 0, 8])
+    nodes, bonus = accept(tokens, choice, b.paths)
+    assert nodes.tolist() == [0, 2, 4] and int(bonus) == 8
+    nodes, bonus = accept(tokens, torch.tensor([7, 0, 0, 0, 0]), b.paths)
+    assert nodes.tolist() == [0] and int(bonus) == 7
+
+
+@pytest.mark.parametrize("bad", [[], [[]], [[-1]], [[0], [0]], [[0, 0]], "x", [[0.5]]])
+def test_invalid_trees(bad):
+    with pytest.raises(ValueError):
+        validate_choices(bad)
+
+
+def test_depth_beyond_heads():
+    with pytest.raises(ValueError, match="heads"):
+        validate_choices(chain(5), num_heads=4)
+
+
+def test_grow_tree_is_greedy_by_path_probability():
+    acc = [[0.8, 0.1], [0.5, 0.2]]
+    tree = grow_tree(acc, 3)
+    assert tree == [[0], [0, 0], [0, 1]]  # 0.8, 0.8*0.5, 0.8*0.2 beat [1] = 0.1
+    assert abs(expected_length(tree, acc) - (1 + 0.8 + 0.4 + 0.16)) < 1e-9
+
+
+def test_shipped_trees_load():
+    files = sorted((ROOT / "configs" / "trees").glob("*.json"))
+    assert len(files) >= 4
+    sizes = {len(load_tree(f)) for f in files}
+    assert {4, 16, 32, 64} <= sizes
+    for f in files:
+        assert "provenance" in json.loads(f.read_text())
