@@ -39,7 +39,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.generate import GenerationStats, context_length
-from medusa_lite.targets import DEFAULT_TARGET, load_default, load_target
+from medusa_lite.targets import DEFAULT_TARGET, has_bundled_heads, load_default, load_target
 
 log = logging.getLogger("medusa_lite.serve")
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +120,8 @@ def build_model(settings: Settings) -> tuple[MedusaModel, Any, str]:
     if settings.target is None:
         model, tok = load_default(dtype=settings.dtype, device=settings.device, heads=settings.heads)
         name = DEFAULT_TARGET
+        if settings.heads is None and not has_bundled_heads():
+            log.warning("no bundled heads ship yet: fresh (zero-initialised) heads, about one token per step")
     else:
         target, tok = load_target(settings.target, dtype=settings.dtype, device=settings.device)
         if settings.heads is not None:
@@ -737,10 +739,17 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "medusa_lite",
+            "max_model_len": engine.limit}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "medusa_lite", "max_model_len": engine.limit}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return card
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -101,6 +101,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         self.log.close()
+        if self.proc.returncode == 0 and self.log.name != os.devnull:
+            Path(self.log.name).unlink(missing_ok=True)  # keep the log of a server that failed
         return self.proc.returncode
 
 

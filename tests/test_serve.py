@@ -125,6 +125,9 @@ def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = client.models.list()
     assert [m.id for m in models.data] == ["target"]
+    assert client.models.retrieve("target").id == "target"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
 
 
 def test_completion_streamed_equals_plain_equals_generate(tiny, client):
