@@ -553,7 +553,7 @@ class Engine:
 
 
 # ====================================================================== the API
-def _sampling(req: _Common) -> dict[str, Any]:
+def _sampling(req: _Common, device: torch.device) -> dict[str, Any]:
     """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's)."""
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature == 0:
@@ -562,7 +562,7 @@ def _sampling(req: _Common) -> dict[str, Any]:
                               "top_p": 1.0 if req.top_p is None else req.top_p,
                               "top_k": 0 if req.top_k in (None, -1) else req.top_k}
     if req.seed is not None:
-        kwargs["generator"] = torch.Generator(device="cpu").manual_seed(req.seed)
+        kwargs["generator"] = torch.Generator(device=device).manual_seed(req.seed)
     return kwargs
 
 
@@ -679,7 +679,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
     def admit(req: _Common, prompt_ids: list[int], requested: int | None, param: str) -> Job:
         max_tokens = _budget(engine, len(prompt_ids), requested, settings.default_max_tokens, param)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        job = Job(prompt_ids, max_tokens, _sampling(req), stop, asyncio.get_running_loop())
+        job = Job(prompt_ids, max_tokens, _sampling(req, engine.model.device), stop, asyncio.get_running_loop())
         engine.submit(job)
         return job
 
