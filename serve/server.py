@@ -347,7 +347,10 @@ class Job:
     first_token: float | None = None
 
     def emit(self, kind: str, payload: Any = None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed: the server is gone, nobody listens
+            pass
 
 
 class Detokenizer:
