@@ -218,6 +218,10 @@ def _check_unsupported(req: _Common) -> None:
         raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
 
 
+_UNION_HINTS = {"prompt": "a string, a list with one string or a list of token ids",
+                "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
+
+
 def parse_request(schema: type[_Common], body: Any) -> _Common:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
@@ -225,17 +229,19 @@ def parse_request(schema: type[_Common], body: Any) -> _Common:
         req = schema.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = [str(x) for x in err["loc"] if not isinstance(x, int)]
-        # "stop.str" / "prompt.list[int]" name union members: report the field the client sent
-        param = loc[0] if loc else None
+        # loc names fields, list indices and union members ("prompt.str"): keep fields and indices
+        fields = {f for m in (schema, Message, TextPart, StreamOptions) for f in m.model_fields}
+        path = [str(x) for x in err["loc"] if isinstance(x, int) or x in fields]
         if err["type"] == "missing":
             code = "missing_required_parameter"
         elif err["type"].startswith(("greater_than", "less_than")):
             code = "invalid_value"
         else:
             code = "invalid_type"
-        raise APIError(400, f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}", param=param,
-                       code=code)
+        msg = err["msg"]
+        if len(path) < len(err["loc"]) and path and path[-1] in _UNION_HINTS:  # a union member failed
+            msg = f"expected {_UNION_HINTS[path[-1]]}"
+        raise APIError(400, f"{'.'.join(path) or 'body'}: {msg}", param=path[0] if path else None, code=code)
     _check_unsupported(req)
     return req
 
