@@ -417,3 +417,19 @@ def test_disconnect_while_waiting_for_a_plain_answer(server):
     after = _wait_idle(server)
     key = ("medusa_lite:request_success_total", 'finished_reason="cancelled"')
     assert metric(after, *key) - metric(before, *key) == 1
+
+
+def test_documented_metrics_exist_and_loadtest_runs(server, capsys):
+    import re
+
+    text = httpx.get(server.url + "/metrics").text
+    documented = set(re.findall(r"`(medusa_lite:[a-z_]+)", (ROOT / "docs" / "serving.md").read_text()))
+    assert len(documented) >= 12
+    assert not [name for name in documented if name not in text]
+
+    spec = importlib.util.spec_from_file_location("medusa_lite_serve_loadtest", ROOT / "serve" / "loadtest.py")
+    loadtest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loadtest)
+    loadtest.main(["--url", server.url, "--concurrency", "1,2", "--max-tokens", "4"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d", line)]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
