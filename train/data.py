@@ -60,14 +60,14 @@ def _iter_json_array(text: str) -> Iterator[Any]:
         while i < n and text[i] in " \t\r\n,":
             i += 1
         if i >= n:
-            yield _Broken("truncated file: the JSON array is not closed")
+            yield _Broken("invalid JSON (the array is not closed: truncated file)")
             return
         if text[i] == "]":
             return
         try:
             item, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            yield _Broken(f"invalid JSON at char {i}: {e.msg}")
+            yield _Broken(f"invalid JSON (char {i}: {e.msg}; a truncated file keeps its complete records)")
             return
         yield item
 
@@ -88,7 +88,7 @@ def _iter_raw(path: Path) -> Iterator[Any]:
         try:
             yield json.loads(line)
         except json.JSONDecodeError as e:
-            yield _Broken(f"line {line_no}: invalid JSON ({e.msg})")
+            yield _Broken(f"invalid JSON (line {line_no}: {e.msg})")
 
 
 def normalize_record(raw: Any) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def read_records(path: Path, *, limit: int | None = None, seed: int = 0) -> tupl
     records, skipped = [], Counter()
     for raw in _iter_raw(path):
         if isinstance(raw, _Broken):
-            skipped[raw.reason.split(":")[0]] += 1
+            skipped[raw.reason.split(" (")[0]] += 1
             continue
         try:
             records.append(normalize_record(raw))

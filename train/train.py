@@ -195,6 +195,12 @@ def init_runtime(cfg: TrainConfig) -> Runtime:
     if cfg.deepspeed is not None:
         import deepspeed
 
+        if device.type == "cpu" and os.environ.get("MEDUSA_LITE_DS_SHM", "0") != "1":
+            # DeepSpeed's CPU backend JIT-compiles a C++ shared-memory all-reduce on first use (minutes,
+            # needs a compiler); plain gloo is plenty for the heads' gradients. MEDUSA_LITE_DS_SHM=1 keeps it.
+            import importlib
+
+            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
     else:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")

@@ -1,0 +1,102 @@
+"""Write medusa_lite heads in the checkpoint layout vLLM's Medusa proposer loads.
+
+    medusa-lite export-vllm HEADS_DIR OUT_DIR [--target PATH] [--dtype bf16]
+
+OUT_DIR gets ``config.json`` ({"model_type": "medusa", "architectures": ["MedusaModel"], ...}) and
+``model.safetensors`` with ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight``. vLLM
+silently ignores unknown tensor names (the heads would then accept ~0%), so the names are tested.
+Heads trained with a shared lm_head get the target's lm_head weight written once per head, so the
+target is loaded (``--target``; default: the heads' recorded base model, or the bundled default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from medusa_lite.config import WEIGHTS_NAME, MedusaConfig  # noqa: E402
+from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype  # noqa: E402
+
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
+_LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
+
+
+def vllm_config(config: MedusaConfig) -> dict:
+    """vLLM's Medusa ``config.json`` for these heads."""
+    return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size, "num_heads": config.num_heads,
+            "num_hidden_layers": config.num_layers, "medusa_fc_bias": True, "truncated_vocab_size": None}
+
+
+def vllm_tensors(config: MedusaConfig, state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor | None,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """medusa_lite heads state dict -> vLLM Medusa tensor names (every head gets an lm_head)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if m := _BLOCK.match(name):
+            out[f"blocks.{m[1]}.layers.{m[2]}.{m[3]}"] = tensor
+        elif m := _LM_HEAD.match(name):
+            out[f"lm_heads.{m[1]}.weight"] = tensor
+        else:
+            raise ValueError(f"unexpected tensor {name!r} in heads state dict")
+    if config.share_lm_head:
+        if lm_head_weight is None:
+            raise ValueError("heads share the target's lm_head: give the target's lm_head weight")
+        for h in range(config.num_heads):
+            out[f"lm_heads.{h}.weight"] = lm_head_weight
+    expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(config.num_heads) for l in range(config.num_layers)
+                for p in ("weight", "bias")} | {f"lm_heads.{h}.weight" for h in range(config.num_heads)}
+    if set(out) != expected:
+        raise ValueError(f"exported names do not match vLLM's layout: missing {sorted(expected - set(out))}, "
+                         f"extra {sorted(set(out) - expected)}")
+    return {k: v.detach().to(dtype).contiguous().clone() for k, v in sorted(out.items())}
+
+
+def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: torch.Tensor | None = None,
+                dtype: str | torch.dtype = "bf16") -> Path:
+    """Write ``config.json`` + ``model.safetensors`` for vLLM into ``out_dir``; returns it."""
+    heads_dir, out_dir = Path(heads_dir), Path(out_dir)
+    config = MedusaConfig.load(heads_dir)
+    state = load_file(str(heads_dir / WEIGHTS_NAME))
+    tensors = vllm_tensors(config, state, lm_head_weight, parse_dtype(dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(vllm_config(config), indent=2) + "\n")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("heads_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--target", default=None, help="target directory / .gguf (for a shared lm_head); "
+                   "default: the heads' base model, or the bundled default target")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    args = p.parse_args(argv)
+    config = MedusaConfig.load(args.heads_dir)
+    lm_head_weight = None
+    if config.share_lm_head:
+        target_path = args.target
+        if target_path is None and config.base_model not in (None, DEFAULT_TARGET):
+            target_path = config.base_model
+        target, _ = load_target(target_path, dtype="fp32")
+        from medusa_lite.model import check_fingerprint
+
+        check_fingerprint(config.target_fingerprint, target, args.heads_dir)
+        lm_head_weight = target.get_output_embeddings().weight
+    out = export_vllm(args.heads_dir, args.out_dir, lm_head_weight=lm_head_weight, dtype=args.dtype)
+    print(f"wrote vLLM Medusa checkpoint to {out}")
+
+
+if __name__ == "__main__":
+    main()
