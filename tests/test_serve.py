@@ -74,7 +74,12 @@ def client(server):
 def reference(tiny, ids: list[int], max_new: int) -> tuple[str, list[int], "object"]:
     """MedusaModel.generate greedy in this process: (text, new ids, stats)."""
     _, _, model, tok = tiny
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server (--threads 1): same float reduction order, same argmax
+    try:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
     new = out[0, len(ids):].tolist()
     return tok.decode(new, skip_special_tokens=True), new, model.last_stats
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from _serve_utils import ServerProcess, metric
 
@@ -22,11 +23,16 @@ def test_default_model_serves_greedy_generate_exactly():
     model, tok = medusa_lite.load_default(dtype="fp32")
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=16, do_sample=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the server (--threads 1): same float reduction order, same argmax
+    try:
+        out = model.generate(ids, max_new_tokens=16, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
     want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     del model
 
-    server = ServerProcess("--dtype", "fp32", "--max-queue", "2")
+    server = ServerProcess("--dtype", "fp32", "--max-queue", "2", "--threads", "1")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == [DEFAULT_TARGET]
