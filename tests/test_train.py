@@ -1,0 +1,265 @@
+"""Training: configs, data masking, loss, freeze, resume, the real entry point (with and without the
+deepspeed launcher), PEFT targets and the vLLM export. Tiny random targets only, offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from train_helpers import ROOT, role_tokenizer, write_chat_jsonl, write_config, write_target
+
+from train import data as D  # noqa: E402
+from train.loss import medusa_loss  # noqa: E402
+from train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    base = tmp_path_factory.mktemp("train")
+    return {"target": write_target(base / "target"), "data": write_chat_jsonl(base / "chat.jsonl", malformed=True),
+            "base": base}
+
+
+def _greedy_equal(target_dir: Path, heads_dir: Path) -> None:
+    """Trained heads load onto their target and generate exactly the target's greedy output."""
+    from medusa_lite import MedusaModel
+    from medusa_lite.targets import load_target
+
+    target, tok = load_target(target_dir)
+    model = MedusaModel.from_pretrained(target, heads_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "w5 w6 w7"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ours = model.generate(ids, max_new_tokens=16, do_sample=False)
+    plain = target.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(ours, plain)
+    training = json.loads((heads_dir / "medusa_config.json").read_text())["training"]
+    assert training["tokens_seen"] > 0 and len(training["eval"]["top1"]) == model.config.num_heads
+    assert (heads_dir / "README.md").is_file() and (heads_dir / "tree.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------- configs
+def test_every_shipped_config_loads_and_opens_with_its_launch_line():
+    configs = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("#") and "launch" in first.lower(), path
+        assert "train" in path.read_text().splitlines()[1], path
+        cfg = build_config(str(path), [])
+        if cfg.deepspeed:
+            assert (ROOT / cfg.deepspeed).is_file(), cfg.deepspeed
+    for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
+        ds = json.loads(path.read_text())
+        assert "train_batch_size" not in ds and "bf16" not in ds  # injected from the training config
+
+
+def test_config_precedence_and_errors(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_heads: 3\nlr: 1e-3\nmax_samples: null\n")
+    cfg = build_config(str(path), ["num_heads=5", "deepspeed=none", "cache_features=false"])
+    assert (cfg.num_heads, cfg.lr, cfg.max_samples, cfg.deepspeed, cfg.cache_features) == (5, 1e-3, None, None, False)
+    assert cfg.decay == TrainConfig().decay
+    with pytest.raises(ValueError, match="num_hedas"):
+        build_config(str(path), ["num_hedas=2"])
+    with pytest.raises(ValueError, match="'max_steps'"):
+        build_config(None, ["max_steps=lots"])
+    path.write_text("lr: fast\n")
+    with pytest.raises(ValueError, match="'lr'"):
+        build_config(str(path), [])
+
+
+def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
+    from train.train import Runtime, load_deepspeed_config
+
+    cfg = TrainConfig(micro_batch_size=3, grad_accum=2, precision="bf16", deepspeed="configs/deepspeed/zero3.json")
+    ds = load_deepspeed_config(cfg, Runtime(0, 4, torch.device("cpu"), True))
+    assert ds["train_batch_size"] == 24 and ds["train_micro_batch_size_per_gpu"] == 3
+    assert ds["gradient_accumulation_steps"] == 2 and ds["zero_optimization"]["stage"] == 3
+    assert ds["bf16"]["enabled"] is False  # CPU: fp32 master weights + bf16 autocast
+    assert load_deepspeed_config(cfg, Runtime(0, 1, torch.device("cuda", 0), True))["bf16"]["enabled"] is True
+
+
+# ------------------------------------------------------------------------------------------- data
+def test_only_assistant_tokens_carry_loss_weight():
+    tok = role_tokenizer()
+    messages = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w12 w13 w14"},
+                {"role": "assistant", "content": "w20 w21 w22"}, {"role": "user", "content": "w15"},
+                {"role": "assistant", "content": "w23 w24"}]
+    enc = D.encode_record(tok, {"messages": messages, "text": ""}, max_len=100)
+    words = tok.convert_ids_to_tokens(enc["input_ids"])
+    trained = [w for w, m in zip(words, enc["loss_mask"]) if m]
+    assert trained == ["w20", "w21", "w22", "<|eot|>", "w23", "w24", "<|eot|>"]
+    # head weights follow the mask of the *predicted* token: no position predicting a user/system token
+    data = D.TokenData(torch.tensor(enc["input_ids"]), torch.tensor(enc["loss_mask"], dtype=torch.uint8),
+                       torch.zeros(len(words), dtype=torch.long), 1)
+    n, k_heads = len(words), 3
+    w = D.window_weights(data.mask, data.segments, torch.tensor([0]), seq_len=n, num_heads=k_heads, total=n)
+    for k in range(k_heads):
+        for t in torch.nonzero(w[k, 0]).flatten().tolist():
+            assert enc["loss_mask"][t + 2 + k] == 1
+    # and the loss does not depend on the teacher at positions whose predicted token is not trained
+    torch.manual_seed(0)
+    v = 7
+    heads = torch.randn(k_heads, 1, n, v, requires_grad=True)
+    teacher = torch.randn(1, n, v)
+    loss, _ = medusa_loss(heads, teacher, w, loss="kl")
+    loss.backward()
+    untrained_user = [t for t in range(n - k_heads - 1) if enc["loss_mask"][t + 2] == 0]
+    assert untrained_user and heads.grad[0, 0, untrained_user].abs().max() == 0
+
+
+def test_kl_loss_is_zero_when_heads_reproduce_the_teacher():
+    torch.manual_seed(0)
+    k_heads, b, t, v = 3, 2, 12, 11
+    teacher = torch.randn(b, t, v)
+    heads = torch.stack([torch.roll(teacher, shifts=-(1 + k), dims=1) for k in range(k_heads)])  # head k at t = teacher at t+1+k
+    weights = torch.ones(k_heads, b, t)
+    loss, stats = medusa_loss(heads, teacher, weights, loss="kl", decay=0.8)
+    assert loss.abs() < 1e-5
+    assert torch.equal(stats["top1"], stats["count"])
+    ids = torch.randint(0, v, (b, t))
+    ce, _ = medusa_loss(heads, teacher, weights, ids, loss="ce")
+    assert ce > 0
+
+
+def test_reader_counts_malformed_records_and_keeps_a_truncated_array(tmp_path):
+    records = [{"conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w2 w3"}]}] * 3
+    text = json.dumps(records + [{"id": "x"}, {"conversations": [{"from": "human", "value": "hi"}]}])
+    truncated = tmp_path / "sharegpt.json"
+    truncated.write_text(text[:-40])  # cut inside the last record, like the packaged ShareGPT file
+    good, skipped = D.read_records(truncated)
+    assert len(good) == 3 and sum(skipped.values()) == 2 and skipped["invalid JSON"] == 1
+    good, skipped = D.read_records(write_chat_jsonl(tmp_path / "c.jsonl", n=5, malformed=True))
+    assert len(good) == 5 and sum(skipped.values()) == 4
+
+
+def test_missing_data_and_template_less_tokenizer_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        D.resolve_data_path(str(tmp_path / "nope.jsonl"))
+    records, _ = D.read_records(write_chat_jsonl(tmp_path / "c.jsonl", n=3))
+    with pytest.raises(ValueError, match="chat template"):
+        D.build_token_data(role_tokenizer(chat_template=None), records, max_len=64)
+
+
+# ------------------------------------------------------------------------------------------- training
+def test_one_step_changes_heads_and_leaves_every_target_tensor_bit_identical(material, tmp_path):
+    cfg = TrainConfig(target=str(material["target"]), data=str(material["data"]), deepspeed=None, precision="fp32",
+                      seq_len=32, micro_batch_size=4, lr=1e-2, warmup_steps=1, output_dir=str(tmp_path))
+    rt = init_runtime(cfg)
+    model, tok = build_model(cfg, rt)
+    records, _ = D.read_records(material["data"])
+    data = D.build_token_data(tok, records, max_len=128)
+    before_target = {k: v.clone() for k, v in model.base_model.state_dict().items()}
+    before_heads = {k: v.clone() for k, v in model.heads.state_dict().items()}
+    engine = Engine(cfg, model.heads, rt)
+    assert all(not p.requires_grad for p in model.base_model.parameters()) and not model.base_model.training
+    assert {id(p) for g in engine.optimizer.param_groups for p in g["params"]} == {id(p) for p in model.heads.parameters()}
+    starts = D.make_windows(data, seq_len=32, num_heads=cfg.num_heads)[:4]
+    lm_head = model.base_model.get_output_embeddings()
+    train_step(cfg, model, lm_head, engine, data, None, [starts], rt)  # target forward path (no cache)
+    after_target = model.base_model.state_dict()
+    assert all(torch.equal(before_target[k], after_target[k]) for k in before_target)
+    assert any(not torch.equal(before_heads[k], v) for k, v in model.heads.state_dict().items())
+
+
+def test_resume_after_a_stop_ends_at_the_planned_step_with_the_same_data_order(material, tmp_path):
+    common = [f"target={material['target']}", f"data={material['data']}", "deepspeed=none", "precision=fp32",
+              "seq_len=32", "micro_batch_size=4", "max_steps=6", "save_every=2", "log_every=1", "progress=false",
+              "eval_samples=4", "lr=1e-2", "warmup_steps=1"]
+    main([*common, f"output_dir={tmp_path / 'full'}"])
+    partial = main([*common, f"output_dir={tmp_path / 'cut'}", "max_steps_this_run=3"])  # the "crash"
+    assert partial["stats"]["step"] == 3 and not (tmp_path / "cut" / "heads").exists()
+    resumed = main([*common, f"output_dir={tmp_path / 'cut'}"])
+    assert resumed["stats"]["step"] == 6 and resumed["stats"]["this_run_steps"] == 3
+    full = load_file(str(tmp_path / "full" / "heads" / "heads.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "heads" / "heads.safetensors"))
+    assert all(torch.allclose(full[k], cut[k], atol=1e-6) for k in full)
+    logs = [json.loads(x) for x in (tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()]
+    ref = [json.loads(x) for x in (tmp_path / "full" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == list(range(1, 7))
+    assert [x for r in logs for x in r["loss"]] == pytest.approx([x for r in ref for x in r["loss"]], abs=1e-4)
+
+
+def test_lora_adapted_target_trains(material, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(material["target"])
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    out = main([f"target={material['target']}", f"adapter={tmp_path / 'adapter'}", f"data={material['data']}",
+                "deepspeed=none", "precision=fp32", "seq_len=32", "max_steps=2", "eval_samples=4",
+                "progress=false", f"output_dir={tmp_path / 'out'}"])
+    from medusa_lite import MedusaModel
+    from medusa_lite.targets import load_target
+
+    merged, _ = load_target(material["target"], adapter=tmp_path / "adapter")
+    model = MedusaModel.from_pretrained(merged, out["heads_dir"])  # the heads belong to the adapted target
+    assert model.config.training["config"]["adapter"] == str(tmp_path / "adapter")
+
+
+def test_entry_point_one_process_with_deepspeed_zero2_and_cli(material, tmp_path):
+    cfg = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "out",
+                       deepspeed="configs/deepspeed/zero2.json")
+    proc = subprocess.run([sys.executable, "-m", "medusa_lite.cli", "train", "--config", str(cfg), "num_heads=3"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped 4 malformed record(s)" in proc.stdout
+    heads = tmp_path / "out" / "heads"
+    conf = json.loads((heads / "medusa_config.json").read_text())
+    assert conf["num_heads"] == 3 and conf["training"]["engine"] == "deepspeed ZeRO-2"
+    log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log[-1]["loss"]) == 3 and len(log[-1]["top1"]) == 3
+    _greedy_equal(material["target"], heads)
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_two_cpu_ranks_zero3(material, tmp_path):
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    cfg = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "out",
+                       deepspeed="configs/deepspeed/zero3.json")
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", "29731", "train/train.py",
+                           "--config", str(cfg)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    heads = tmp_path / "out" / "heads"
+    conf = json.loads((heads / "medusa_config.json").read_text())
+    assert conf["training"]["world_size"] == 2 and conf["training"]["engine"] == "deepspeed ZeRO-3"
+    state = load_file(str(heads / "heads.safetensors"))
+    assert all(v.numel() > 0 and v.abs().sum() > 0 for k, v in state.items() if k.endswith("weight"))  # gathered
+    _greedy_equal(material["target"], heads)
+
+
+# ------------------------------------------------------------------------------------------- export
+def test_export_vllm_key_names_and_config(material, tmp_path):
+    from medusa_lite import MedusaConfig, MedusaModel
+    from medusa_lite.targets import load_target
+
+    from train.export_vllm import main as export_main
+
+    target, _ = load_target(material["target"])
+    for share in (True, False):
+        model = MedusaModel(target, MedusaConfig(num_heads=3, num_layers=2, share_lm_head=share))
+        model.save_pretrained(tmp_path / f"heads{share}")
+        export_main([str(tmp_path / f"heads{share}"), str(tmp_path / f"vllm{share}"),
+                     "--target", str(material["target"]), "--dtype", "fp32"])
+        config = json.loads((tmp_path / f"vllm{share}" / "config.json").read_text())
+        assert config == {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": 64,
+                          "vocab_size": 64, "num_heads": 3, "num_hidden_layers": 2, "medusa_fc_bias": True,
+                          "truncated_vocab_size": None}
+        tensors = load_file(str(tmp_path / f"vllm{share}" / "model.safetensors"))
+        expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(3) for l in range(2) for p in ("weight", "bias")}
+        expected |= {f"lm_heads.{h}.weight" for h in range(3)}
+        assert set(tensors) == expected
+        assert tensors["blocks.1.layers.0.weight"].shape == (64, 64) and tensors["blocks.1.layers.0.bias"].shape == (64,)
+        assert torch.equal(tensors["lm_heads.2.weight"], target.get_output_embeddings().weight)
