@@ -87,6 +87,15 @@ def interpolate_latency(table: dict[int, float], tokens: int) -> float:
     raise AssertionError("unreachable")
 
 
+def monotone_latency(table: dict[int, float]) -> dict[int, float]:
+    """Remove timing noise that makes a bigger forward look cheaper: latency(n) = min over m >= n of table[m]."""
+    out, best = {}, float("inf")
+    for n in sorted(table, reverse=True):
+        best = min(best, float(table[n]))
+        out[n] = best
+    return dict(sorted(out.items()))
+
+
 @dataclass
 class TreeCandidate:
     """One tree size scored by :func:`choose_tree`."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -200,7 +201,7 @@ def markdown(report: dict) -> str:
     lines = [f"# Spec-Bench: {cfg['target']} ({cfg['dtype']}, {cfg['decoding']}, max_new_tokens "
              f"{cfg['max_new_tokens']}, {cfg['questions_per_task']} questions/task)", "",
              f"heads: {cfg['heads']}; tree: {cfg['tree_nodes']} nodes; torch threads {cfg['threads']}; "
-             f"{cfg['machine']}", ""]
+             f"{cfg['machine']}; load average at the end {cfg.get('load_average')}", ""]
     head = ["task", "n"] + [f"{LABELS[m]} tok/s" for m in methods]
     head += [f"{LABELS[m]} speedup" for m in methods if m != "plain"]
     head += [f"{LABELS[m]} tok/fwd" for m in methods if m != "plain"]
@@ -268,6 +269,7 @@ def plot(report: dict, out: Path) -> list[str]:
         for t in tasks:
             acc = report["summary"][t]["medusa"]["acceptance_per_depth"]
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=t, lw=2.5 if t == "overall" else 1)
+        ax.set_xticks(range(1, 1 + max(len(report["summary"][t]["medusa"]["acceptance_per_depth"]) for t in tasks)))
         ax.set_xlabel("depth d")
         ax.set_ylabel("share of steps accepting >= d drafted tokens")
         ax.set_ylim(0, 1)
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
             "tasks": args.tasks, "turns": "first turn only", "methods": args.methods, "seed": args.seed,
             "prompt_lookup_num_tokens": args.prompt_lookup_tokens, "tree": choices, "tree_nodes": len(choices),
             "questions_file": str(args.questions), "threads": torch.get_num_threads(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],  # other processes skew timings
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "command": " ".join(["medusa-lite bench"] + (sys.argv[1:] if argv is None else list(argv))),

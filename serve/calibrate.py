@@ -23,7 +23,7 @@ import torch
 
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, candidates_to_dicts, choose_tree,
-                                     measure_forward_latency, measure_head_accuracy)
+                                     measure_forward_latency, measure_head_accuracy, monotone_latency)
 from medusa_lite.config import TREE_NAME
 from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_target
@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
         args.latency_tokens.append(max(args.sizes) + 1)
+    if 1 not in args.latency_tokens:
+        args.latency_tokens.insert(0, 1)  # plain decoding's forward, the baseline
     return args
 
 
@@ -96,8 +98,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"head {k}: top-1 {row[0]:.3f}  top-{len(row)} {sum(row):.3f}")
     latency = measure_forward_latency(target, args.latency_tokens, cache_len=args.cache_len, repeats=args.repeats,
                                       seed=args.seed)
-    table = {n: v["median"] for n, v in latency.items()}
+    table = monotone_latency({n: v["median"] for n, v in latency.items()})
     print("forward latency (ms) by tree tokens: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in table.items()))
+    plain = 1.0 / table[min(table)]  # plain decoding: one token per single-token forward, no drafting
 
     # (4) choose
     best, candidates = choose_tree(acc, table, args.sizes, overhead=overhead_per_step)
@@ -115,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "max_new_tokens": args.max_new_tokens},
         "accuracy": accuracy, "overhead_per_step": overhead_per_step, "cache_len": args.cache_len,
         "latency": {str(n): v for n, v in latency.items()},
+        "latency_used": {str(n): v for n, v in table.items()},  # medians, made non-decreasing in n
+        "plain_tokens_per_second_estimate": plain,
         "candidates": candidates_to_dicts(candidates),
         "previous_tree": {"choices": current, "expected_length": expected_length(current, acc)},
         "best": {"size": best.size, "expected_length": best.expected_length,
@@ -129,7 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
         out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {out}")
     print(f"best tree: {best.size} nodes, expected {best.expected_length:.2f} tokens/step, "
-          f"~{best.tokens_per_second:.1f} tokens/s{' (dry run: not written)' if args.dry_run else ''}")
+          f"~{best.tokens_per_second:.1f} tokens/s (plain decoding ~{plain:.1f} tokens/s)"
+          f"{' (dry run: not written)' if args.dry_run else ''}")
+    if best.tokens_per_second < plain:
+        print("WARNING: with these heads no tree is expected to beat plain decoding on this machine")
     return report
 
 

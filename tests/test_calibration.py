@@ -12,8 +12,8 @@ import torch
 from tiny_chat import save_tiny_target
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_forward_latency, score_trees,
-                                     topk_hits)
+from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_forward_latency, monotone_latency,
+                                     score_trees, topk_hits)
 from medusa_lite.targets import load_target
 from medusa_lite.tree import expected_length, grow_tree
 
@@ -45,6 +45,10 @@ def test_interpolate_latency():
     assert interpolate_latency(table, 6) == pytest.approx(2.0)
     assert interpolate_latency(table, 12) == pytest.approx(5.0)  # slope of the last segment
     assert interpolate_latency({1: 2.0}, 9) == 2.0
+
+
+def test_monotone_latency_removes_noise_dips():
+    assert monotone_latency({1: 70.0, 2: 118.0, 4: 110.0, 8: 135.0}) == {1: 70.0, 2: 110.0, 4: 110.0, 8: 135.0}
 
 
 def test_choose_tree_flat_then_steep_latency_picks_largest_cheap_tree():
