@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_chat import save_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +81,17 @@ def test_first_difference(bench):
     assert diff([1, 2, 3], [1, 2, 3]) is None
     assert diff([1, 2, 3], [1, 5, 3]) == 1
     assert diff([1, 2], [1, 2, 3]) == 2
+
+
+def test_mismatch_reports_position_and_logit_gap(bench, setup):
+    from medusa_lite.targets import load_target
+
+    target, _ = load_target(setup[0])
+    ids = torch.tensor([[1, 3, 10, 11, 4]])
+    plain = target.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    wrong = plain[:3] + [(plain[3] + 1) % 10] + plain[4:]
+    row = {"question_id": 7, "task": "qa", "methods": {"plain": {"tokens": plain}, "medusa": {"tokens": wrong},
+                                                        "pld": {"tokens": list(plain)}}}
+    found = bench["mismatches"](row, ["plain", "pld", "medusa"], target, ids)
+    assert len(found) == 1 and found[0]["method"] == "medusa" and found[0]["first_difference"] == 3
+    assert found[0]["logit_gap"] > 0  # plain's token is the target's argmax there
