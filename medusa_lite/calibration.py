@@ -33,24 +33,23 @@ DEFAULT_LATENCY_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
 # ---------------------------------------------------------------------------------------------- math
-def topk_hits(head_logits: torch.Tensor, target_choice: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_hits(ranked: torch.Tensor, target_choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Count, per head and rank, how often the head's proposal is the target's own choice.
 
-    head_logits: [K, T, V] head logits at T consecutive positions t = 0..T-1 (hidden state of t);
-    target_choice: [T] the target's token chosen at each of those positions (the token for t + 1).
-    Head k at position t proposes the token for t + 2 + k, i.e. ``target_choice[t + 1 + k]``; positions
-    whose answer lies beyond T are skipped.
+    ranked: [K, T, topk] each head's ranked proposals at T consecutive positions t = 0..T-1 (from the
+    hidden state of t); target_choice: [T] the target's token chosen at each of those positions (the
+    token for t + 1). Head k at position t proposes the token for t + 2 + k, i.e.
+    ``target_choice[t + 1 + k]``; positions whose answer lies beyond T are skipped.
     Returns (hits [K, topk] long: rank r of head k was right; totals [K] long: positions scored).
     """
-    num_heads, length, _ = head_logits.shape
-    ranked = head_logits.topk(topk, dim=-1).indices  # [K, T, topk]
+    num_heads, length, topk = ranked.shape
     hits = torch.zeros(num_heads, topk, dtype=torch.long)
     totals = torch.zeros(num_heads, dtype=torch.long)
     for k in range(num_heads):
         n = length - 1 - k  # positions t with t + 1 + k < T
         if n <= 0:
             continue
-        answer = target_choice[1 + k: 1 + k + n]  # [n]
+        answer = target_choice[1 + k: 1 + k + n].to(ranked.device)  # [n]
         hits[k] = (ranked[k, :n] == answer[:, None]).long().sum(dim=0).cpu()  # [topk]
         totals[k] = n
     return hits, totals
@@ -148,19 +147,21 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
     """Teacher-forced head accuracy of ``model`` (a :class:`medusa_lite.MedusaModel`).
 
     sequences: (ids [L] long, start) pairs, ``ids[start:]`` the target's own continuation of the prompt
-    ``ids[:start]``; positions from ``start - 1`` on are scored (one target forward per sequence).
+    ``ids[:start]``; positions from ``start - 1`` on are scored. One target forward per sequence; the
+    proposals come from ``model.draft`` (exactly what decoding drafts), one call per position.
     Returns ``{"accuracies": [K][topk], "hits": ..., "totals": ...}``.
     """
-    target, lm_head = model.base_model, model.base_model.get_output_embeddings()
+    target = model.base_model
     hits = torch.zeros(model.config.num_heads, topk, dtype=torch.long)
     totals = torch.zeros(model.config.num_heads, dtype=torch.long)
     for ids, start in sequences:
         out = target(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False)
         first = max(start - 1, 0)
-        hidden = out.hidden_states[-1][:, first:]  # [1, T, H]
+        hidden = out.hidden_states[-1][0]  # [L, H]
         choice = out.logits[0, first:].argmax(dim=-1)  # [T]
-        head_logits = model.heads(hidden, lm_head)[:, 0].float()  # [K, T, V]
-        h, n = topk_hits(head_logits, choice, topk)
+        ranked = torch.stack([model.draft(hidden[t], ids[: t + 1], topk) for t in range(first, ids.numel())],
+                             dim=1)  # [K, T, topk]
+        h, n = topk_hits(ranked, choice)
         hits += h
         totals += n
     return {"accuracies": accuracies_from_counts(hits, totals), "hits": hits.tolist(), "totals": totals.tolist()}

@@ -31,7 +31,7 @@ def test_topk_hits_counts_head_k_against_target_choice_k_plus_1_ahead():
         logits[1, t, (t % vocab)] = 2.0        # head 1 rank 0: token t
         if t + 2 < length:
             logits[1, t, choice[t + 2]] = 1.0  # ... and the right answer at rank 1 (unless it is token t)
-    hits, totals = topk_hits(logits, choice, topk=2)
+    hits, totals = topk_hits(logits.topk(2, dim=-1).indices, choice)
     assert totals.tolist() == [5, 4]
     assert hits[0].tolist() == [5, 0]
     # head 1, t = 0..3 answers choice[2..5] = 4, 1, 5, 2; rank-0 tokens 0, 1, 2, 3 -> rank 0 right at t=1 only
@@ -126,3 +126,24 @@ def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
                           "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run"])
     assert report["written"] is False
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
+
+
+def test_measure_head_accuracy_matches_batched_heads(tmp_path):
+    from medusa_lite.calibration import accuracies_from_counts, measure_head_accuracy
+
+    target, _ = load_target(save_tiny_target(tmp_path / "t"))
+    model = MedusaModel(target, MedusaConfig(num_heads=3))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    prompt = torch.tensor([1, 3, 10, 12, 4])
+    ids = target.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
+    got = measure_head_accuracy(model, [(ids, prompt.numel())], topk=3)
+    with torch.no_grad():
+        out = target(input_ids=ids[None], output_hidden_states=True)
+        hidden = out.hidden_states[-1][:, prompt.numel() - 1:]
+        ranked = model.heads(hidden, target.get_output_embeddings())[:, 0].topk(3, dim=-1).indices
+        hits, totals = topk_hits(ranked, out.logits[0, prompt.numel() - 1:].argmax(-1))
+    assert got["accuracies"] == accuracies_from_counts(hits, totals)
+    assert got["totals"] == [12, 11, 10]  # T = 13 scored positions; head k needs k + 1 more
