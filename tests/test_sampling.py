@@ -83,6 +83,7 @@ def test_sampling_matches_target_distribution(gen):
     counts = sample_counts(model, N_SAMPLES, **gen)
     tv = tv_distance(exact, counts, N_SAMPLES)
     bound = tv_bound(_support(exact), N_SAMPLES)
+    print(f"\n{gen}: TV {tv:.4f}, bound {bound:.4f}, n {N_SAMPLES}, outcomes {_support(exact)}")
     assert tv < bound, f"TV {tv:.4f} >= bound {bound:.4f}"
     # the tree was really used: some steps accepted drafted tokens
     assert all(p == 0 or k in exact for k, p in counts.items())
@@ -136,6 +137,7 @@ def test_harness_rejects_wrong_rule(kind, monkeypatch):
     exact = exact_distribution(model, temperature=1.0, top_k=0)
     counts = sample_counts(model, n, temperature=1.0, top_k=0)
     tv = tv_distance(exact, counts, n)
+    print(f"\nwrong rule {kind}: TV {tv:.4f}, bound {tv_bound(_support(exact), n):.4f}, n {n}")
     assert tv > tv_bound(_support(exact), n), f"wrong rule {kind} not detected (TV {tv:.4f})"
 
 
