@@ -95,3 +95,15 @@ def test_mismatch_reports_position_and_logit_gap(bench, setup):
     found = bench["mismatches"](row, ["plain", "pld", "medusa"], target, ids)
     assert len(found) == 1 and found[0]["method"] == "medusa" and found[0]["first_difference"] == 3
     assert found[0]["logit_gap"] > 0  # plain's token is the target's argmax there
+
+
+def test_cli_dispatches_bench_and_calibrate(capsys, monkeypatch):
+    from medusa_lite.cli import main as cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the CLI rewrites sys.argv; restore it afterwards
+
+    for command in ("bench", "calibrate"):
+        with pytest.raises(SystemExit) as exit_:
+            cli([command, "--help"])
+        assert exit_.value.code == 0
+        assert f"medusa-lite {command}" in capsys.readouterr().out
