@@ -650,30 +650,46 @@ def save_heads(cfg: TrainConfig, model, engine: Engine, rt: Runtime, provenance:
     return out
 
 
+def launch_command(rt: Runtime) -> str:
+    """The command line that started this run, as a user would type it."""
+    args = [a for a in sys.argv[1:] if not a.startswith(("--local_rank", "--local-rank"))]
+    if sys.argv[0].startswith("medusa-lite"):
+        return " ".join(["medusa-lite train", *args])
+    if rt.world > 1 and "LOCAL_RANK" in os.environ:
+        return " ".join(["deepspeed", "--num_gpus", str(rt.world), "train/train.py", *args])
+    return " ".join(["python", "train/train.py", *args])
+
+
 def model_card(p: dict[str, Any]) -> str:
-    ev = p.get("eval", {})
+    """The heads directory's README.md, rendered from the provenance stored in ``MedusaConfig.training``."""
+    ev, cfg, data = p.get("eval", {}), p.get("config", {}), p["data"]
     rows = "\n".join(f"| {k + 1} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} |" for k in range(len(ev.get("top1", []))))
+    lm_head = "shared frozen target lm_head" if cfg.get("share_lm_head", True) else "per-head lm_head"
+    vocab = (f"; teacher and heads projected on the {cfg['draft_vocab']} most frequent trained tokens during "
+             "training (evaluation and inference use the full vocabulary)") if cfg.get("draft_vocab") else ""
     return f"""# Medusa heads for {p['base_model']}
 
-{p['num_heads']} Medusa heads ({p['num_layers']} ResBlock each, shared frozen lm_head) trained by
-medusa_lite {p['library_version']} with {p['loss']} self-distillation on the frozen target.
+{p['num_heads']} Medusa heads ({p['num_layers']} ResBlock each, {lm_head}) trained by medusa_lite
+{p['library_version']} with `{p['loss']}` self-distillation on the frozen target{vocab}.
 
-- data: {p['data']['data']} ({p['data']['train_docs']} training documents, {p['data']['train_loss_tokens']} assistant tokens; {p['data']['eval_docs']} held-out documents)
-- tokens seen (trained head-1 positions): {p['tokens_seen']}
+- data: `{data['data']}` ({data['train_docs']} training documents, {data['train_tokens']} tokens of which
+  {data['train_loss_tokens']} assistant tokens; {data['eval_docs']} held-out documents; documents truncated to
+  {cfg.get('max_doc_len')} tokens)
+- tokens seen (trained head-1 positions, all epochs): {p['tokens_seen']}
 - steps: {p['steps']}, global batch {p['global_batch_windows']} windows x {p['seq_len']} tokens
-- wall time: {p['wall_seconds'] / 60:.1f} min (training {p['train_seconds'] / 60:.1f} min,
-  {p['positions_per_s']:.0f} positions/s)
+- wall time: {p['wall_seconds'] / 60:.1f} min in total, training {p['train_seconds'] / 60:.1f} min at
+  {p['positions_per_s']:.0f} positions/s
 - hardware: {p['hardware']} ({p['world_size']} process(es), engine: {p['engine']})
 - command: `{p['command']}`
 
-Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)} assistant positions):
-head k proposes the token k+1 positions after the target's own next token.
+Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)} assistant positions,
+full vocabulary): head k proposes the token k positions after the target's own next token.
 
 | head | top-1 | top-5 |
 |---:|---:|---:|
 {rows}
 
-Config: see `training.config` in `medusa_config.json`.
+The full training config is `training.config` in `medusa_config.json`.
 """
 
 
@@ -716,8 +732,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
         "hardware": hardware(), "world_size": rt.world,
         "engine": f"deepspeed ZeRO-{engine.zero_stage}" if cfg.deepspeed else "torch",
-        "command": " ".join(["medusa-lite train", *sys.argv[1:]]) if sys.argv[0].startswith("medusa-lite")
-        else " ".join(["python", *sys.argv]),
+        "command": launch_command(rt),
         "eval": metrics, "config": dataclasses.asdict(cfg),
     }
     heads_dir = save_heads(cfg, model, engine, rt, provenance)
