@@ -34,6 +34,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                disable_created_metrics, generate_latest)
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -253,11 +254,14 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
                        code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body", code="client_disconnected")
     try:
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
