@@ -32,6 +32,8 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0
     verify_steps: int = 0
+    draft_tokens: int = 0  # drafted tree nodes verified, summed over steps (root excluded)
+    step_depths: list[int] = field(default_factory=list)  # depth of the tree verified at each step
     tokens_per_step: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
     wall_time: float = 0.0
@@ -58,7 +60,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
-            "verify_steps": self.verify_steps, "mean_accepted_tokens": self.mean_accepted_tokens,
+            "verify_steps": self.verify_steps, "draft_tokens": self.draft_tokens, "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
             "target_time": self.target_time, "overhead_share": self.overhead_share,
             "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes,
@@ -212,6 +214,8 @@ def speculative_generate(
 
 def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:
     stats.verify_steps += 1
+    stats.draft_tokens += buffers.num_nodes - 1
+    stats.step_depths.append(buffers.depth)
     stats.tokens_per_step.append(accepted + 1)
     stats.tree_nodes = max(stats.tree_nodes, buffers.num_nodes)
     while len(stats.accepted_per_depth) < buffers.depth:
