@@ -305,35 +305,15 @@ class Metrics:
         self.running = Gauge(p + "num_requests_running", "Requests generating (0 or 1).", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued.", registry=r)
 
-    def record_spec(self, stats: GenerationStats, prompt_len: int, max_new: int, tree_depth: int,
-                    limit: int | None) -> None:
-        depths = drafted_depths(stats.tokens_per_step, prompt_len, max_new, tree_depth, limit)
+    def record_spec(self, stats: GenerationStats) -> None:
         self.drafts.inc(stats.verify_steps)
-        self.draft_tokens.inc(sum(depths))
+        self.draft_tokens.inc(sum(stats.step_depths))  # tree depth verified per step (vLLM's draft length)
         self.accepted.inc(sum(stats.accepted_per_depth))
         for k, n in enumerate(stats.accepted_per_depth):
             self.accepted_per_pos.labels(position=str(k)).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def drafted_depths(tokens_per_step: list[int], prompt_len: int, max_new: int, tree_depth: int,
-                   limit: int | None) -> list[int]:
-    """Depth of the tree verified at each step, mirroring ``generate``'s truncation near the end.
-
-    Prefill emits the first token; before each step the tree is cut to ``max_new - generated - 1``
-    levels and to the positions left in the context window.
-    """
-    generated, cache_len, out = 1, prompt_len, []
-    for n in tokens_per_step:
-        depth = min(tree_depth, max_new - generated - 1)
-        if limit is not None:
-            depth = min(depth, limit - cache_len - 1)
-        out.append(max(depth, 0))
-        generated += n
-        cache_len += n
-    return out
 
 
 # ====================================================================== engine: one worker thread
@@ -435,7 +415,6 @@ class Engine:
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
         self.limit = context_length(model.base_model.config)
-        self.tree_depth = max(len(p) for p in model.config.choices)
         eos = model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
         if not self.eos and tokenizer.eos_token_id is not None:
@@ -559,7 +538,7 @@ class Engine:
         m.finished.labels(finished_reason=reason).inc()
         m.prompt_tokens.inc(len(job.prompt_ids))
         m.generation_tokens.inc(len(new))
-        m.record_spec(stats, len(job.prompt_ids), job.max_tokens, self.tree_depth, self.limit)
+        m.record_spec(stats)
         job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent,
                           "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
                                     "total_tokens": len(job.prompt_ids) + len(new)}})

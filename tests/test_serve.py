@@ -118,13 +118,6 @@ def test_settings_precedence_and_unknown_keys(tmp_path):
         server.load_settings(None, {"max_queue": -1})
 
 
-def test_drafted_depths_mirror_generate_truncation():
-    server = _server_module()
-    # tree depth 3, max_new 8: prefill gives token 1; steps accept 1+1, 0+1, 2+1 ... depth capped near the end
-    assert server.drafted_depths([2, 1, 3, 1], prompt_len=5, max_new=8, tree_depth=3, limit=None) == [3, 3, 3, 0]
-    assert server.drafted_depths([1, 1], prompt_len=5, max_new=100, tree_depth=3, limit=8) == [2, 1]
-
-
 # ---------------------------------------------------------------- the API
 def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
@@ -228,7 +221,7 @@ def test_metrics_move_with_generate_stats(tiny, server, client):
 
     p = "medusa_lite:"
     assert delta(p + "spec_decode_num_drafts_total") == stats.verify_steps
-    depths = server_mod.drafted_depths(stats.tokens_per_step, len(ids), 16, 3, CONTEXT)
+    depths = stats.step_depths
     assert delta(p + "spec_decode_num_draft_tokens_total") == sum(depths)
     accepted = delta(p + "spec_decode_num_accepted_tokens_total")
     assert accepted == sum(stats.accepted_per_depth) == sum(stats.tokens_per_step) - stats.verify_steps
