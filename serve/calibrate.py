@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help=f"report JSON (default: HEADS/{REPORT_NAME})")
     p.add_argument("--dry-run", action="store_true", help="report only; leave the heads directory unchanged")
+    p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
         args.latency_tokens.append(max(args.sizes) + 1)
@@ -128,6 +129,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if not args.dry_run:
         write_tree(heads_dir, best.choices, report)
+    if args.save_tree:
+        Path(args.save_tree).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_tree).write_text(json.dumps({"choices": best.choices}) + "\n")
+        print(f"wrote {args.save_tree}")
     out = Path(args.out) if args.out else heads_dir / REPORT_NAME
     if args.out or not args.dry_run:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"~{best.tokens_per_second:.1f} tokens/s (plain decoding ~{plain:.1f} tokens/s)"
           f"{' (dry run: not written)' if args.dry_run else ''}")
     if best.tokens_per_second < plain:
-        print("WARNING: with these heads no tree is expected to beat plain decoding on this machine")
+        print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
+              "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
     return report
 
 

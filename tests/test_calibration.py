@@ -15,7 +15,7 @@ from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_forward_latency, monotone_latency,
                                      score_trees, topk_hits)
 from medusa_lite.targets import load_target
-from medusa_lite.tree import expected_length, grow_tree
+from medusa_lite.tree import expected_length, grow_tree, load_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
@@ -123,8 +123,10 @@ def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
     cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
     report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
                           "--per-task", "1", "--max-new-tokens", "8", "--topk", "2", "--sizes", "1,2",
-                          "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run"])
+                          "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run",
+                          "--save-tree", str(tmp_path / "tree.json")])
     assert report["written"] is False
+    assert load_tree(tmp_path / "tree.json") == report["best"]["choices"]
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
 
 
