@@ -27,7 +27,7 @@ from tqdm import tqdm
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_default, load_target
-from medusa_lite.tree import load_tree
+from medusa_lite.tree import load_tree, validate_choices
 
 METHODS = ("plain", "pld", "medusa")
 LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite"}
@@ -105,7 +105,7 @@ class ForwardCounter:
         self.calls += 1
 
 
-def make_runners(model: MedusaModel, gen: dict, tree, pld_tokens: int) -> dict:
+def make_runners(model: MedusaModel, gen: dict, pld_tokens: int) -> dict:
     """method -> fn(input_ids) -> output ids [1, L + n]."""
     target = model.base_model
 
@@ -116,7 +116,7 @@ def make_runners(model: MedusaModel, gen: dict, tree, pld_tokens: int) -> dict:
         return target.generate(ids, attention_mask=torch.ones_like(ids), prompt_lookup_num_tokens=pld_tokens, **gen)
 
     def medusa(ids):
-        return model.generate(ids, tree=tree, **gen)
+        return model.generate(ids, **gen)
 
     return {"plain": plain, "pld": pld, "medusa": medusa}
 
@@ -315,13 +315,14 @@ def main(argv: list[str] | None = None) -> dict:
     # build
     model, tokenizer, heads = build_model(args)
     target = model.base_model
-    tree = load_tree(args.tree) if args.tree else None
-    choices = tree if tree is not None else model.config.choices
+    if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
+        model.config.tree = validate_choices(load_tree(args.tree), model.config.num_heads)
+    choices = model.config.choices
     questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
     if not questions:
         raise SystemExit(f"no questions for tasks {args.tasks} in {args.questions}")
     gen = generation_kwargs(args, tokenizer, target)
-    runners = make_runners(model, gen, tree, args.prompt_lookup_tokens)
+    runners = make_runners(model, gen, args.prompt_lookup_tokens)
     counter = ForwardCounter(target)
 
     # run: warm-up (excluded), then every question with every method

@@ -76,6 +76,19 @@ def test_bench_sampling_subset_of_methods(bench, setup):
     assert (out / "speedup.png").is_file()
 
 
+def test_bench_tree_file_with_more_ranks_than_the_heads_tree(bench, setup):
+    target, questions, tmp = setup
+    tree = tmp / "tree.json"
+    tree.write_text(json.dumps({"choices": [[0], [7], [0, 0], [0, 6]]}))  # ranks beyond the default tree's 0..3
+    out = tmp / "tree"
+    bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "10",
+                   "--limit", "1", "--tasks", "translation", "--methods", "medusa", "--tree", str(tree),
+                   "--out", str(out)])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["config"]["tree"] == [[0], [7], [0, 0], [0, 6]] and saved["config"]["tree_nodes"] == 4
+    assert saved["summary"]["overall"]["medusa"]["exact_match"] == 1.0
+
+
 def test_first_difference(bench):
     diff = bench["first_difference"]
     assert diff([1, 2, 3], [1, 2, 3]) is None
