@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help=f"report JSON (default: HEADS/{REPORT_NAME})")
     p.add_argument("--dry-run", action="store_true", help="report only; leave the heads directory unchanged")
+    p.add_argument("--continuations", default=None,
+                   help="JSON cache of the target's continuations: reused when it matches, else written")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
@@ -78,15 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     questions = load_questions(args.questions, limit=args.per_task, from_end=True)
 
     # (1) the target's own greedy continuations (medusa_lite greedy == target greedy), with the step overhead
-    sequences, overhead, steps = [], 0.0, 0
-    for q in questions:
-        ids = chat_prompt(tokenizer, q.prompt)
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-        stats = model.last_stats
-        overhead += stats.wall_time - stats.target_time
-        steps += stats.verify_steps
-        sequences.append((out[0], ids.shape[1]))
-    overhead_per_step = overhead / max(steps, 1)
+    sequences, overhead_per_step = continuations(model, tokenizer, questions, args)
     print(f"continuations: {len(sequences)} prompts, {sum(s.numel() - p for s, p in sequences)} tokens; "
           f"overhead outside target forwards {overhead_per_step * 1e3:.1f} ms/step")
 
@@ -116,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "data": {"questions": str(args.questions), "question_ids": [q.question_id for q in questions],
-                 "max_new_tokens": args.max_new_tokens},
+                 "max_new_tokens": args.max_new_tokens, "continuations_cache": args.continuations},
         "accuracy": accuracy, "overhead_per_step": overhead_per_step, "cache_len": args.cache_len,
         "latency": {str(n): v for n, v in latency.items()},
         "latency_used": {str(n): v for n, v in table.items()},  # medians, made non-decreasing in n
@@ -145,6 +139,36 @@ def main(argv: list[str] | None = None) -> dict:
         print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
               "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
     return report
+
+
+def continuations(model, tokenizer, questions, args) -> tuple[list[tuple[torch.Tensor, int]], float]:
+    """[(prompt + the target's greedy continuation [L], prompt length)] and the seconds per decoding step
+    spent outside target forwards. With ``--continuations FILE`` the sequences (which depend on the target,
+    not on the heads) are read from FILE when it matches, else generated and written there; the overhead
+    is then measured on one short generation."""
+    cache = Path(args.continuations) if args.continuations else None
+    key = {"question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+           "dtype": args.dtype, "target": args.target}
+    sequences, overhead, steps = [], 0.0, 0
+    if cache is not None and cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("key") == key:
+            sequences = [(torch.tensor(ids), start) for ids, start in saved["sequences"]]
+            model.generate(sequences[0][0][None, :sequences[0][1]], max_new_tokens=32, do_sample=False)
+            stats = model.last_stats
+            return sequences, (stats.wall_time - stats.target_time) / max(stats.verify_steps, 1)
+        print(f"{cache} was made for other settings: generating the continuations again")
+    for q in questions:
+        ids = chat_prompt(tokenizer, q.prompt)
+        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        stats = model.last_stats
+        overhead += stats.wall_time - stats.target_time
+        steps += stats.verify_steps
+        sequences.append((out[0], ids.shape[1]))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps({"key": key, "sequences": [(s.tolist(), p) for s, p in sequences]}) + "\n")
+    return sequences, overhead / max(steps, 1)
 
 
 def write_tree(heads_dir: Path, choices: list[list[int]], report: dict) -> None:

@@ -98,7 +98,8 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
     report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
                           "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8",
-                          "--latency-tokens", "1,2,4,8", "--cache-len", "32", "--repeats", "1"])
+                          "--latency-tokens", "1,2,4,8", "--cache-len", "32", "--repeats", "1",
+                          "--continuations", str(tmp_path / "cont.json")])
     saved = json.loads((heads / "calibration.json").read_text())
     assert saved["data"]["question_ids"] == [160, 400]
     acc = saved["accuracy"]["accuracies"]
@@ -110,6 +111,12 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     assert json.loads((heads / "tree.json").read_text())["choices"] == best
     reloaded = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
     assert reloaded.config.choices == best  # used by default from now on
+    # a second run reuses the cached continuations (they depend on the target only): same accuracies
+    again = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
+                         "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2",
+                         "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run",
+                         "--continuations", str(tmp_path / "cont.json")])
+    assert [row[:3] for row in again["accuracy"]["accuracies"]] == [row[:3] for row in acc]
 
 
 def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
