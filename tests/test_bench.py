@@ -20,6 +20,14 @@ QUESTIONS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The scripts' --threads 1 (fast on a busy machine) must not leak into other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def bench():
     sys.path.insert(0, str(ROOT))
@@ -38,7 +46,7 @@ def test_bench_end_to_end_greedy(bench, setup):
     target, questions, tmp = setup
     out = tmp / "greedy"
     report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "20",
-                            "--limit", "1", "--tasks", "mt_bench,translation", "--out", str(out), "--seed", "0"])
+                            "--limit", "1", "--tasks", "mt_bench,translation", "--out", str(out), "--seed", "0", "--threads", "1"])
     for name in ("results.json", "results.md", "speedup.png", "acceptance.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
     saved = json.loads((out / "results.json").read_text())
@@ -68,7 +76,7 @@ def test_bench_sampling_subset_of_methods(bench, setup):
     target, questions, tmp = setup
     out = tmp / "sample"
     bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "12",
-                   "--limit", "1", "--tasks", "qa", "--temperature", "1.0", "--methods", "medusa", "--out", str(out)])
+                   "--limit", "1", "--tasks", "qa", "--temperature", "1.0", "--methods", "medusa", "--out", str(out), "--threads", "1"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["config"]["methods"] == ["plain", "medusa"]  # plain is always run: it is the reference
     assert saved["config"]["decoding"] == "sampling T=1.0"
@@ -83,7 +91,7 @@ def test_bench_tree_file_with_more_ranks_than_the_heads_tree(bench, setup):
     out = tmp / "tree"
     bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "10",
                    "--limit", "1", "--tasks", "translation", "--methods", "medusa", "--tree", str(tree),
-                   "--out", str(out)])
+                   "--out", str(out), "--threads", "1"])
     saved = json.loads((out / "results.json").read_text())
     assert saved["config"]["tree"] == [[0], [7], [0, 0], [0, 6]] and saved["config"]["tree_nodes"] == 4
     assert saved["summary"]["overall"]["medusa"]["exact_match"] == 1.0

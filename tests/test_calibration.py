@@ -18,6 +18,14 @@ from medusa_lite.targets import load_target
 from medusa_lite.tree import expected_length, grow_tree, load_tree
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The CLI's --threads 1 (fast on a busy machine) must not leak into other tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
 
 
@@ -98,7 +106,7 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
     report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
                           "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8",
-                          "--latency-tokens", "1,2,4,8", "--cache-len", "32", "--repeats", "1",
+                          "--latency-tokens", "1,2,4,8", "--cache-len", "32", "--repeats", "1", "--threads", "1",
                           "--continuations", str(tmp_path / "cont.json")])
     saved = json.loads((heads / "calibration.json").read_text())
     assert saved["data"]["question_ids"] == [160, 400]
@@ -115,7 +123,7 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     again = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
                          "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2",
                          "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run",
-                         "--continuations", str(tmp_path / "cont.json")])
+                         "--threads", "1", "--continuations", str(tmp_path / "cont.json")])
     assert [row[:3] for row in again["accuracy"]["accuracies"]] == [row[:3] for row in acc]
 
 
