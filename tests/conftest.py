@@ -51,6 +51,18 @@ def oracle_draft(reference: torch.Tensor, num_heads: int, topk: int, vocab: int)
     return draft
 
 
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and 10x slower with oversubscribed OpenMP threads on a
+    busy machine); tests of the real default model opt back in to ``DEFAULT_THREADS``."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(DEFAULT_THREADS)
+
+
 @pytest.fixture
 def prompt() -> torch.Tensor:
     g = torch.Generator().manual_seed(1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import medusa_lite
+from conftest import DEFAULT_THREADS
 
 PROMPTS = [
     "What is the capital of France?",
@@ -23,6 +24,7 @@ def default_model():
 
 @pytest.mark.slow
 def test_default_model_greedy_equals_plain(default_model):
+    torch.set_num_threads(DEFAULT_THREADS)
     model, tok = default_model
     assert tok.chat_template, "the default target must ship its chat template"
     for prompt in PROMPTS:
