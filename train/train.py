@@ -653,7 +653,7 @@ def save_heads(cfg: TrainConfig, model, engine: Engine, rt: Runtime, provenance:
 def launch_command(rt: Runtime) -> str:
     """The command line that started this run, as a user would type it."""
     args = [a for a in sys.argv[1:] if not a.startswith(("--local_rank", "--local-rank"))]
-    if sys.argv[0].startswith("medusa-lite"):
+    if "medusa_lite.cli" in sys.modules:  # run by `medusa-lite train` (runpy rewrites sys.argv[0])
         return " ".join(["medusa-lite train", *args])
     if rt.world > 1 and "LOCAL_RANK" in os.environ:
         return " ".join(["deepspeed", "--num_gpus", str(rt.world), "train/train.py", *args])
