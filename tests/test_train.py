@@ -219,6 +219,7 @@ def test_entry_point_one_process_with_deepspeed_zero2_and_cli(material, tmp_path
     heads = tmp_path / "out" / "heads"
     conf = json.loads((heads / "medusa_config.json").read_text())
     assert conf["num_heads"] == 3 and conf["training"]["engine"] == "deepspeed ZeRO-2"
+    assert conf["training"]["command"] == f"medusa-lite train --config {cfg} num_heads=3"
     log = [json.loads(x) for x in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
     assert len(log[-1]["loss"]) == 3 and len(log[-1]["top1"]) == 3
     _greedy_equal(material["target"], heads)

@@ -653,7 +653,8 @@ def save_heads(cfg: TrainConfig, model, engine: Engine, rt: Runtime, provenance:
 def launch_command(rt: Runtime) -> str:
     """The command line that started this run, as a user would type it."""
     args = [a for a in sys.argv[1:] if not a.startswith(("--local_rank", "--local-rank"))]
-    if "medusa_lite.cli" in sys.modules:  # run by `medusa-lite train` (runpy rewrites sys.argv[0])
+    original = getattr(sys, "orig_argv", [])[:3]  # runpy rewrites sys.argv[0]; orig_argv keeps the real one
+    if any(Path(a).name == "medusa-lite" or a == "medusa_lite.cli" for a in original):
         return " ".join(["medusa-lite train", *args])
     if rt.world > 1 and "LOCAL_RANK" in os.environ:
         return " ".join(["deepspeed", "--num_gpus", str(rt.world), "train/train.py", *args])
