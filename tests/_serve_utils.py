@@ -45,18 +45,12 @@ def tiny_tokenizer():
 
 def save_tiny_model(directory: str | Path, *, seed: int = 0, context: int = 256) -> Path:
     """Save a tiny random Llama (2 layers, hidden 64, ``context`` positions) + tokenizer to ``directory``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_model
 
     directory = Path(directory)
     tok = tiny_tokenizer()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                      initializer_range=0.2, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=None, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
+    model = tiny_model("llama", vocab=len(tok), seed=seed, context=context, tie=False,
+                       bos=tok.bos_token_id, eos=tok.eos_token_id)
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory

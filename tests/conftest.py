@@ -9,26 +9,28 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 
 def tiny_model(arch: str = "llama", vocab: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32,
-               init: float = 0.2, layers: int = 2, hidden: int = 64, eos: int | None = None):
+               init: float = 0.2, layers: int = 2, hidden: int = 64, eos: int | None = None,
+               context: int = 1024, tie: bool = True, bos: int = 0, pad: int | None = None):
     """A tiny random decoder. ``init`` (initializer_range) large enough that logits are peaky, so greedy
-    near-ties (which make any two float computations disagree) are rare."""
+    near-ties (which make any two float computations disagree) are rare. The one factory of all tests."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=vocab, initializer_range=init, bos_token_id=0, eos_token_id=eos, pad_token_id=None)
+    common = dict(vocab_size=vocab, initializer_range=init, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+                  tie_word_embeddings=tie)
     if arch == "llama":
         cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **common)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, **common)
         model = LlamaForCausalLM(cfg)
     elif arch == "qwen2":
         cfg = Qwen2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, **common)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context, **common)
         model = Qwen2ForCausalLM(cfg)
     elif arch == "gpt2":
-        cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=1024, **common)
+        cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, n_positions=context, **common)
         model = GPT2LMHeadModel(cfg)
     else:
         raise ValueError(arch)
     model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = eos
+    model.generation_config.pad_token_id = eos if pad is None else pad
     return model.to(dtype).eval()
 
 

@@ -37,14 +37,9 @@ def role_tokenizer(chat_template: str | None = CHAT_TEMPLATE):
 
 
 def tiny_target(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(SPECIAL) + NUM_WORDS, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
-                      pad_token_id=1, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_model("llama", vocab=len(SPECIAL) + NUM_WORDS, seed=seed, context=512, bos=0, eos=1, pad=1)
 
 
 def write_target(directory: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
