@@ -19,13 +19,13 @@ runs the measurements on a model and is what ``medusa-lite calibrate`` calls.
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from .generate import cache_kwarg
 from .tree import Choices, attention_bias, build_buffers, chain, expected_length, grow_tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
@@ -138,10 +138,6 @@ def candidates_to_dicts(candidates: list[TreeCandidate]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------- measurements
-def _cache_kwarg(target) -> str:
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk: int = 10) -> dict:
     """Teacher-forced head accuracy of ``model`` (a :class:`medusa_lite.MedusaModel`).
@@ -184,7 +180,7 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
     vocab = target.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     cache = new_cache(target)
-    kw = _cache_kwarg(target)
+    kw = cache_kwarg(target)
     prefix = torch.randint(0, vocab, (1, cache_len), generator=gen).to(device)
     target(input_ids=prefix, use_cache=True, return_dict=True, **{kw: cache})
     times: dict[int, list[float]] = {int(n): [] for n in tokens}

@@ -119,7 +119,7 @@ class _Trees:
         return self._by_depth[depth]
 
 
-def _cache_kwarg(target) -> str:
+def cache_kwarg(target) -> str:
     """transformers >= 5.2x names the cache argument ``cache``; older models ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
@@ -129,9 +129,9 @@ def _prefill_kwargs(target) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
 
 
-def _forward(target, stats: GenerationStats, cache, **kwargs):
+def _forward(target, stats: GenerationStats, cache_arg: dict, **kwargs):
     t0 = time.perf_counter()
-    kwargs[_cache_kwarg(target)] = cache
+    kwargs.update(cache_arg)
     out = target(use_cache=True, output_hidden_states=True, return_dict=True, **kwargs)
     stats.target_time += time.perf_counter() - t0
     stats.target_forwards += 1
@@ -177,8 +177,9 @@ def speculative_generate(
     trees = _Trees(choices, device)
     limit = context_length(target.config)
     cache = new_cache(target)
+    cache_arg = {cache_kwarg(target): cache}
 
-    out = _forward(target, stats, cache, input_ids=prompt[None], **_prefill_kwargs(target))
+    out = _forward(target, stats, cache_arg, input_ids=prompt[None], **_prefill_kwargs(target))
     root = choose(out.logits[0, -1:])[0]
     hidden = out.hidden_states[-1][0, -1]  # [H]
     cache_len = prompt.numel()
@@ -193,7 +194,7 @@ def speculative_generate(
         draft_topk = draft(hidden, torch.tensor(stopper.ids, device=device))  # [K, topk]
         tokens = tree_tokens(root, draft_topk, buffers)  # [N]
         out = _forward(
-            target, stats, cache,
+            target, stats, cache_arg,
             input_ids=tokens[None],
             position_ids=(cache_len + buffers.depths)[None],
             attention_mask=attention_bias(buffers, cache_len, dtype),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -202,8 +203,9 @@ class MedusaModel(nn.Module):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
+            draft = functools.partial(self.draft, topk=max(max(p) for p in choices) + 1)
             new, stats = speculative_generate(
-                self.base_model, self.draft, prompt, config, choices, max_new_tokens=max_new, streamer=streamer,
+                self.base_model, draft, prompt, config, choices, max_new_tokens=max_new, streamer=streamer,
                 stopping_criteria=criteria, generator=generator)
         finally:
             if streamer is not None:

@@ -42,7 +42,7 @@ def oracle_draft(reference: torch.Tensor, num_heads: int, topk: int, vocab: int)
     """
     ref = reference.tolist()
 
-    def draft(hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def draft(hidden: torch.Tensor, ids: torch.Tensor, topk: int = topk) -> torch.Tensor:
         n = ids.numel()
         rows = []
         for k in range(num_heads):

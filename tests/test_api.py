@@ -114,3 +114,10 @@ def test_sliding_window_model_is_refused(prompt):
     model = MedusaModel(MistralForCausalLM(cfg).eval(), MedusaConfig(num_heads=2))
     with pytest.raises(UnsupportedCacheError, match="sliding-window"):
         model.generate(prompt, max_new_tokens=5)
+
+
+def test_tree_override_with_higher_ranks(model, prompt):
+    """generate(tree=...) drafts as many ranks as the given tree needs, not the configured tree's."""
+    ref = model.base_model.generate(prompt, max_new_tokens=12, do_sample=False)
+    narrow = MedusaModel(model.base_model, MedusaConfig(num_heads=2, tree=[[0], [1]]))
+    assert torch.equal(narrow.generate(prompt, max_new_tokens=12, tree=[[0], [3], [3, 5]]), ref)

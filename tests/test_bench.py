@@ -20,14 +20,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """The scripts' --threads 1 (fast on a busy machine) must not leak into other tests."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def bench():
     sys.path.insert(0, str(ROOT))

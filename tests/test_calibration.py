@@ -18,14 +18,6 @@ from medusa_lite.targets import load_target
 from medusa_lite.tree import expected_length, grow_tree, load_tree
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """The CLI's --threads 1 (fast on a busy machine) must not leak into other tests."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
 
 
