@@ -20,13 +20,12 @@ runs the measurements on a model and is what ``medusa-lite calibrate`` calls.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .generate import cache_kwarg
-from .tree import Choices, attention_bias, build_buffers, chain, expected_length, grow_tree
+from .generate import GenerationStats, cache_kwarg, verify_forward
+from .tree import Choices, build_buffers, chain, expected_length, grow_tree
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
 DEFAULT_LATENCY_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -176,7 +175,6 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
     from .cache import new_cache
 
     device = target.get_output_embeddings().weight.device
-    dtype = target.get_output_embeddings().weight.dtype
     vocab = target.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
     cache = new_cache(target)
@@ -187,13 +185,10 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
     for rep in range(repeats + 1):  # repeat 0 is a warm-up
         for n in times:
             buffers = build_buffers(chain(n - 1), device)
-            ids = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-            mask = attention_bias(buffers, cache_len, dtype)
-            t0 = time.perf_counter()
-            target(input_ids=ids, position_ids=(cache_len + buffers.depths)[None], attention_mask=mask,
-                   use_cache=True, output_hidden_states=True, return_dict=True, **{kw: cache})
-            elapsed = time.perf_counter() - t0
+            ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
+            stats = GenerationStats()
+            verify_forward(target, stats, {kw: cache}, ids, buffers, cache_len)  # exactly what decoding runs
             cache.crop(-n)  # drop the n tokens just appended
             if rep > 0:
-                times[n].append(elapsed)
+                times[n].append(stats.target_time)
     return {n: {"median": statistics.median(ts), "min": min(ts)} for n, ts in times.items()}

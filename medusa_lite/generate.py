@@ -138,6 +138,17 @@ def _forward(target, stats: GenerationStats, cache_arg: dict, **kwargs):
     return out
 
 
+def verify_forward(target, stats: GenerationStats, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers,
+                   cache_len: int):
+    """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``.
+
+    tokens: [N] node tokens. The cache grows by N entries (compact it with ``cache.keep_accepted``).
+    """
+    dtype = target.get_output_embeddings().weight.dtype
+    return _forward(target, stats, cache_arg, input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
+                    attention_mask=attention_bias(buffers, cache_len, dtype))
+
+
 def context_length(config) -> int | None:
     """The target's maximum number of positions, if its config states one."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -165,7 +176,6 @@ def speculative_generate(
     start = time.perf_counter()
     stats = GenerationStats()
     device = prompt.device
-    dtype = target.get_output_embeddings().weight.dtype
     warpers = build_warpers(config)
 
     def choose(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N]
@@ -193,12 +203,7 @@ def speculative_generate(
         buffers = trees.get(max_depth)
         draft_topk = draft(hidden, torch.tensor(stopper.ids, device=device))  # [K, topk]
         tokens = tree_tokens(root, draft_topk, buffers)  # [N]
-        out = _forward(
-            target, stats, cache_arg,
-            input_ids=tokens[None],
-            position_ids=(cache_len + buffers.depths)[None],
-            attention_mask=attention_bias(buffers, cache_len, dtype),
-        )
+        out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len)
         nodes, root = accept(tokens, choose(out.logits[0]), buffers.paths)  # [a+1], []
         keep_accepted(cache, cache_len, nodes)
         cache_len += nodes.numel()

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME, MedusaConfig
+from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig
 from .generate import GenerationStats, context_length, speculative_generate
 from .heads import MedusaHeads
 from .sampling import check_supported

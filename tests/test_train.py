@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from train_helpers import ROOT, role_tokenizer, write_chat_jsonl, write_config, write_target

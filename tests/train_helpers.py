@@ -8,7 +8,6 @@ import random
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
