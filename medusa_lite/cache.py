@@ -12,6 +12,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .config import text_config
+
 
 class UnsupportedCacheError(ValueError):
     """The target's KV cache cannot keep an arbitrary subset of the tokens it just appended."""
@@ -19,8 +21,7 @@ class UnsupportedCacheError(ValueError):
 
 def new_cache(model) -> DynamicCache:
     """A fresh ``DynamicCache`` for ``model``; refuses models whose layers are not full attention."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    cache = DynamicCache(config=config)
+    cache = DynamicCache(config=text_config(model.config))
     check_cache(cache)
     return cache
 

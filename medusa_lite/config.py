@@ -20,6 +20,11 @@ DEFAULT_TREE: list[list[int]] = [
 ]
 
 
+def text_config(config):
+    """The decoder's config (multimodal configs nest it; plain LM configs are their own)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
 def _version() -> str:
     from . import __version__
     return __version__

@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from .cache import keep_accepted, new_cache
+from .config import text_config
 from .sampling import build_warpers, target_probs
 from .tree import TreeBuffers, attention_bias, build_buffers, tree_tokens, truncate
 from .verify import accept, greedy_choice, sample_choice
@@ -151,7 +152,7 @@ def verify_forward(target, stats: GenerationStats, cache_arg: dict, tokens: torc
 
 def context_length(config) -> int | None:
     """The target's maximum number of positions, if its config states one."""
-    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig
+from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
 from .generate import GenerationStats, context_length, speculative_generate
 from .heads import MedusaHeads
 from .sampling import check_supported
@@ -34,7 +34,7 @@ def target_fingerprint(target) -> dict[str, Any]:
     The probe is a few ``lm_head`` entries, compared with a tolerance at load time (bf16 / GGUF
     de-quantisation keep them within a few percent; another model does not).
     """
-    cfg = target.config.get_text_config(decoder=True) if hasattr(target.config, "get_text_config") else target.config
+    cfg = text_config(target.config)
     shape = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
                                                  "num_attention_heads", "intermediate_size")}
     weight = target.get_output_embeddings().weight
@@ -73,8 +73,7 @@ class MedusaModel(nn.Module):
     def __init__(self, base_model, config: MedusaConfig | None = None, *, freeze: bool = True):
         super().__init__()
         config = config or MedusaConfig()
-        cfg = base_model.config.get_text_config(decoder=True) if hasattr(base_model.config, "get_text_config") \
-            else base_model.config
+        cfg = text_config(base_model.config)
         lm_head = base_model.get_output_embeddings()
         if lm_head is None:
             raise ValueError(f"{type(base_model).__name__} has no output embeddings: not a causal LM")

@@ -8,6 +8,7 @@ import time
 import torch
 
 import medusa_lite
+from medusa_lite.specbench import chat_prompt
 from medusa_lite.targets import has_bundled_heads
 
 PROMPTS = [
@@ -38,14 +39,12 @@ def main() -> None:
     if args.heads is None and not has_bundled_heads():
         print("NOTE: no trained heads ship yet: using fresh (zero-initialised) heads, so expect ~1 token/forward.")
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    warm = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                   return_tensors="pt", return_dict=True)["input_ids"]
+    warm = chat_prompt(tok, "Hi")
     model.generate(warm, max_new_tokens=8)  # warm-up, excluded
     totals = {"plain": [0, 0.0], "medusa": [0, 0.0]}
     accepted, identical = [], 0
     for i, prompt in enumerate(PROMPTS, 1):
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = chat_prompt(tok, prompt)
         ref, t_plain = timed(lambda: model.base_model.generate(ids, **gen))
         out, t_medusa = timed(lambda: model.generate(ids, **gen))
         n_ref, n_out = ref.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]

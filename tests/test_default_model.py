@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import medusa_lite
+from medusa_lite.specbench import chat_prompt
 from conftest import DEFAULT_THREADS
 
 PROMPTS = [
@@ -28,8 +29,7 @@ def test_default_model_greedy_equals_plain(default_model):
     model, tok = default_model
     assert tok.chat_template, "the default target must ship its chat template"
     for prompt in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ids = chat_prompt(tok, prompt)
         ref = model.base_model.generate(ids, max_new_tokens=128, do_sample=False)
         out = model.generate(ids, max_new_tokens=128, do_sample=False)
         assert torch.equal(out, ref), f"mismatch on {prompt!r}"
