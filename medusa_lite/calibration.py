@@ -143,7 +143,8 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
 
     sequences: (ids [L] long, start) pairs, ``ids[start:]`` the target's own continuation of the prompt
     ``ids[:start]``; positions from ``start - 1`` on are scored. One target forward per sequence; the
-    proposals come from ``model.draft`` (exactly what decoding drafts), one call per position.
+    proposals come from ``model.ranked_proposals`` (what decoding drafts, from the same vocabulary,
+    on the path where every earlier proposal was right: Hydra heads read the true tokens).
     Returns ``{"accuracies": [K][topk], "hits": ..., "totals": ...}``.
     """
     target = model.base_model
@@ -154,8 +155,7 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
         first = max(start - 1, 0)
         hidden = out.hidden_states[-1][0]  # [L, H]
         choice = out.logits[0, first:].argmax(dim=-1)  # [T]
-        ranked = torch.stack([model.draft(hidden[t], ids[: t + 1], topk) for t in range(first, ids.numel())],
-                             dim=1)  # [K, T, topk]
+        ranked = model.ranked_proposals(hidden[first:], ids[first:], topk)  # [K, T, topk]
         h, n = topk_hits(ranked, choice)
         hits += h
         totals += n

@@ -13,6 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
     "demo": ("serve/demo.py", "chat prompts on the default model: plain generate vs medusa_lite"),
+    "distill-data": ("train/distill_data.py", "the target's own answers to ShareGPT prompts (training data)"),
     "train": ("train/train.py", "fine-tune heads (DeepSpeed or one CPU process)"),
     "export-vllm": ("train/export_vllm.py", "write heads in vLLM's Medusa checkpoint layout"),
     "serve": ("serve/server.py", "OpenAI-compatible server"),

@@ -12,6 +12,7 @@ from typing import Any
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "heads.safetensors"
 TREE_NAME = "tree.json"
+HEAD_TYPES = ("medusa", "hydra")
 
 # ~16-node tree grown by tree.grow_tree from prior per-head accuracies; replaced by calibration.
 DEFAULT_TREE: list[list[int]] = [
@@ -23,6 +24,12 @@ DEFAULT_TREE: list[list[int]] = [
 def text_config(config):
     """The decoder's config (multimodal configs nest it; plain LM configs are their own)."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def dtype_name(dtype) -> str:
+    """torch.bfloat16 / 'bfloat16' / 'bf16' -> 'bfloat16' (the key of ``MedusaConfig.dtype_trees``)."""
+    name = str(dtype).removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, name)
 
 
 def _version() -> str:
@@ -41,8 +48,10 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = True          # shared frozen target lm_head (small) or per-head copies
-    head_type: str = "medusa"
+    head_type: str = "medusa"           # "medusa" (reads h_t) or "hydra" (also reads the drafted path)
+    draft_vocab_size: int | None = None  # heads propose only these many tokens (ids stored with the weights)
     tree: list[list[int]] | None = None  # medusa_choices; None -> DEFAULT_TREE truncated to num_heads
+    dtype_trees: dict[str, list[list[int]]] = field(default_factory=dict)  # calibrated per target dtype
     hidden_size: int | None = None
     vocab_size: int | None = None
     base_model: str | None = None
@@ -55,17 +64,31 @@ class MedusaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {value!r}")
-        if self.head_type != "medusa":
-            raise ValueError(f"MedusaConfig.head_type {self.head_type!r} is not supported (supported: 'medusa')")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"MedusaConfig.head_type {self.head_type!r} is not supported (supported: {HEAD_TYPES})")
+        if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                                  or self.draft_vocab_size < 1 or not self.share_lm_head):
+            raise ValueError("MedusaConfig.draft_vocab_size must be a positive integer and needs share_lm_head=True")
+        from .tree import validate_choices
         if self.tree is not None:
-            from .tree import validate_choices
             self.tree = validate_choices(self.tree, self.num_heads)
+        if not isinstance(self.dtype_trees, dict):
+            raise ValueError("MedusaConfig.dtype_trees must map a dtype name ('float32', 'bfloat16') to a tree")
+        self.dtype_trees = {str(k): validate_choices(v, self.num_heads) for k, v in self.dtype_trees.items()}
 
     @property
     def choices(self) -> list[list[int]]:
         """The tree to decode with."""
         from .tree import truncate
         return self.tree if self.tree is not None else truncate(DEFAULT_TREE, self.num_heads)
+
+    def choices_for(self, dtype) -> list[list[int]]:
+        """The tree calibrated for ``dtype`` (a torch dtype or its name), else :attr:`choices`.
+
+        A multi-token forward costs relatively more in fp32 than in bf16 on a CPU, so each dtype
+        gets the tree that is fastest for it (``medusa-lite calibrate --dtype ...``).
+        """
+        return self.dtype_trees.get(dtype_name(dtype)) or self.choices
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

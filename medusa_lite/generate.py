@@ -19,11 +19,11 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from .cache import keep_accepted, new_cache
 from .config import text_config
 from .sampling import build_warpers, target_probs
-from .tree import TreeBuffers, attention_bias, build_buffers, tree_tokens, truncate
+from .tree import TreeBuffers, attention_bias, build_buffers, truncate
 from .verify import accept, greedy_choice, sample_choice
 
-# hidden [H] of the last accepted position, all tokens so far [L] -> [K, topk] ranked draft tokens
-DraftFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# hidden [H] of the last accepted position, all tokens so far [L] (the root last), tree -> [N] node tokens
+DraftFn = Callable[[torch.Tensor, torch.Tensor, TreeBuffers], torch.Tensor]
 
 
 @dataclass
@@ -202,8 +202,7 @@ def speculative_generate(
         if limit is not None:
             max_depth = min(max_depth, limit - cache_len - 1)
         buffers = trees.get(max_depth)
-        draft_topk = draft(hidden, torch.tensor(stopper.ids, device=device))  # [K, topk]
-        tokens = tree_tokens(root, draft_topk, buffers)  # [N]
+        tokens = draft(hidden, torch.tensor(stopper.ids, device=device), buffers)  # [N], root first
         out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len)
         nodes, root = accept(tokens, choose(out.logits[0]), buffers.paths)  # [a+1], []
         keep_accepted(cache, cache_len, nodes)

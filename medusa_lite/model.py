@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -16,9 +15,9 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
 from .generate import GenerationStats, context_length, speculative_generate
-from .heads import MedusaHeads
+from .heads import build_heads
 from .sampling import check_supported
-from .tree import load_tree, validate_choices
+from .tree import TreeBuffers, load_tree, tree_tokens, validate_choices
 
 _PROBE_ROWS = 8
 _PROBE_COLS = 8
@@ -87,9 +86,10 @@ class MedusaModel(nn.Module):
         config.target_fingerprint = config.target_fingerprint or target_fingerprint(base_model)
         self.base_model = base_model
         self.config = config
-        self.heads = MedusaHeads(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        self.heads = build_heads(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         self.heads.init_lm_heads(lm_head)
         self.last_stats: GenerationStats | None = None
+        self._projection: tuple | None = None
         if freeze:
             base_model.requires_grad_(False)
             base_model.eval()
@@ -102,7 +102,8 @@ class MedusaModel(nn.Module):
         self.config.save(directory)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.heads.state_dict().items()}
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
-        (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices}) + "\n")
+        (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices,
+                                                       "by_dtype": self.config.dtype_trees}) + "\n")
 
     @classmethod
     def from_pretrained(cls, base_model, heads_dir: str | Path, **kwargs) -> "MedusaModel":
@@ -143,18 +144,79 @@ class MedusaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, **kwargs):
         """Target forward plus head logits: returns (target output, head logits [K, B, T, V])."""
         out = self.base_model(input_ids=input_ids, output_hidden_states=True, return_dict=True, **kwargs)
-        return out, self.heads(out.hidden_states[-1], self.base_model.get_output_embeddings())
+        return out, self.heads(out.hidden_states[-1], self.base_model.get_output_embeddings(), input_ids,
+                               self.base_model.get_input_embeddings())
+
+    def draft_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight [V', H], token ids [V'] or None) of the vocabulary the heads propose from.
+
+        With ``draft_vocab_size`` the rows of the shared ``lm_head`` for ``heads.draft_ids`` are sliced
+        once (and again only when the target's weights move or change dtype): drafting then reads
+        V' rows per step instead of the whole vocabulary.
+        """
+        weight = self.base_model.get_output_embeddings().weight
+        ids = getattr(self.heads, "draft_ids", None)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device,
+               None if ids is None else (ids.data_ptr(), ids._version))
+        if self._projection is None or self._projection[0] != key:
+            self._projection = (key, weight if ids is None else weight[ids].contiguous(), ids)
+        return self._projection[1], self._projection[2]
+
+    def _rank(self, feats: torch.Tensor, topk: int, k: int | None = None) -> torch.Tensor:
+        """Head features [..., H] -> [..., topk] ranked token ids (head k's own lm_head when not shared)."""
+        if self.heads.lm_heads is not None:
+            return self.heads.lm_heads[k](feats).topk(topk, dim=-1).indices
+        weight, ids = self.draft_projection()
+        ranked = (feats @ weight.T).topk(topk, dim=-1).indices
+        return ranked if ids is None else ids[ranked]
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, topk: int | None = None) -> torch.Tensor:
-        """hidden: [H] last accepted hidden state -> [K, topk] ranked draft tokens."""
+        """Medusa heads: hidden [H] of the last accepted position -> [K, topk] ranked draft tokens."""
         topk = topk or self._topk
-        logits = self.heads(hidden[None, None], self.base_model.get_output_embeddings())  # [K, 1, 1, V]
-        return logits[:, 0, 0].topk(topk, dim=-1).indices
+        feats = self.heads.hidden(hidden[None, None])[:, 0, 0]  # [K, H]
+        if self.heads.lm_heads is None:
+            return self._rank(feats, topk)
+        return torch.stack([self._rank(f, topk, k) for k, f in enumerate(feats)])
+
+    @torch.no_grad()
+    def draft_tree(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
+        """Token of every tree node [N]: hidden [H] of the last accepted position, ids [L] ending in the root.
+
+        Medusa heads rank once per head; Hydra heads run level by level, each expanded node's row
+        reading its own path, so a node's children are proposed after that node's token.
+        """
+        if self.config.head_type == "medusa":
+            return tree_tokens(ids[-1], self.draft(hidden, ids, buffers.topk), buffers)
+        tokens = ids[-1].repeat(buffers.num_nodes)  # [N], root at 0
+        embed = self.base_model.get_input_embeddings()
+        state = hidden[None]  # [1, H]: the root's parent state is h_t
+        for d, level in enumerate(buffers.levels):
+            state = self.heads.step(d, state[level.parent_row], embed(tokens[level.expand]))  # [M, H]
+            ranked = self._rank(state, level.topk, d)  # [M, topk]
+            tokens[level.children] = ranked[level.child_row, level.child_rank]
+        return tokens
+
+    @torch.no_grad()
+    def ranked_proposals(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+        """Teacher-forced proposals along a known sequence: hidden [T, H], ids [T] -> [K, T, topk].
+
+        Head k at t ranks the token at t + 2 + k given the true tokens up to t + 1 + k: exactly what
+        decoding drafts on the path where every earlier proposal was right (calibration's accuracies).
+        """
+        feats = self.heads.hidden(hidden[None], ids[None], self.base_model.get_input_embeddings())[:, 0]  # [K, T, H]
+        if self.heads.lm_heads is None:
+            return self._rank(feats, topk)
+        return torch.stack([self._rank(f, topk, k) for k, f in enumerate(feats)])
+
+    @property
+    def choices(self) -> list[list[int]]:
+        """The tree ``generate`` uses by default: calibrated for the target's dtype when available."""
+        return self.config.choices_for(self.dtype)
 
     @property
     def _topk(self) -> int:
-        return max(max(p) for p in self.config.choices) + 1
+        return max(max(p) for p in self.choices) + 1
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -198,13 +260,12 @@ class MedusaModel(nn.Module):
             if tokenizer is None:
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
-        choices = validate_choices(tree, self.config.num_heads) if tree is not None else self.config.choices
+        choices = validate_choices(tree, self.config.num_heads) if tree is not None else self.choices
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
-            draft = functools.partial(self.draft, topk=max(max(p) for p in choices) + 1)
             new, stats = speculative_generate(
-                self.base_model, draft, prompt, config, choices, max_new_tokens=max_new, streamer=streamer,
+                self.base_model, self.draft_tree, prompt, config, choices, max_new_tokens=max_new, streamer=streamer,
                 stopping_criteria=criteria, generator=generator)
         finally:
             if streamer is not None:

@@ -72,6 +72,7 @@ class TreeBuffers:
     paths: torch.Tensor         # [P, D + 1] long node indices, root first, padded with -1
     topk: int                   # the largest rank used + 1
     depth: int                  # D
+    levels: list["Level"]       # per depth d < D: which nodes expand and where their children go
 
     @property
     def num_nodes(self) -> int:
@@ -79,7 +80,47 @@ class TreeBuffers:
 
     def to(self, device: torch.device | str) -> "TreeBuffers":
         return TreeBuffers(self.choices, self.depths.to(device), self.draft_index.to(device),
-                           self.ancestor_mask.to(device), self.paths.to(device), self.topk, self.depth)
+                           self.ancestor_mask.to(device), self.paths.to(device), self.topk, self.depth,
+                           [level.to(device) for level in self.levels])
+
+
+@dataclass
+class Level:
+    """Depth d of a tree, for drafters whose proposals depend on the path (Hydra heads).
+
+    The M nodes of depth d that have children are expanded, one draft row each; their C children
+    (depth d + 1) take the ``child_rank``-ranked token of their parent's row.
+    """
+
+    expand: torch.Tensor      # [M] long, node indices of depth d with children
+    parent_row: torch.Tensor  # [M] long, row of each expanded node's parent among depth d - 1's rows
+    children: torch.Tensor    # [C] long, node indices of depth d + 1
+    child_row: torch.Tensor   # [C] long, row (into ``expand``) of each child's parent
+    child_rank: torch.Tensor  # [C] long, rank of each child among its parent's proposals
+    topk: int                 # largest child rank + 1
+
+    def to(self, device: torch.device | str) -> "Level":
+        return Level(self.expand.to(device), self.parent_row.to(device), self.children.to(device),
+                     self.child_row.to(device), self.child_rank.to(device), self.topk)
+
+
+def _levels(choices: Choices, index: dict[tuple[int, ...], int], depth: int) -> list[Level]:
+    """Per depth d < ``depth``: the expanded nodes, their parents' rows and their children (see :class:`Level`)."""
+    levels: list[Level] = []
+    rows_above: dict[tuple[int, ...], int] = {(): 0}
+    for d in range(depth):
+        kids = [tuple(p) for p in choices if len(p) == d + 1]
+        expand = sorted({k[:-1] for k in kids}, key=lambda p: index[p])
+        rows = {p: r for r, p in enumerate(expand)}
+        levels.append(Level(
+            expand=torch.tensor([index[p] for p in expand], dtype=torch.long),
+            parent_row=torch.tensor([rows_above[p[:-1]] if p else 0 for p in expand], dtype=torch.long),
+            children=torch.tensor([index[k] for k in kids], dtype=torch.long),
+            child_row=torch.tensor([rows[k[:-1]] for k in kids], dtype=torch.long),
+            child_rank=torch.tensor([k[-1] for k in kids], dtype=torch.long),
+            topk=max(k[-1] for k in kids) + 1))
+        rows_above = rows
+    return levels
 
 
 def build_buffers(choices: Choices, device: torch.device | str = "cpu") -> TreeBuffers:
@@ -108,7 +149,7 @@ def build_buffers(choices: Choices, device: torch.device | str = "cpu") -> TreeB
     for row, leaf in enumerate(leaves):
         nodes = [0] + [index[leaf[:d]] for d in range(1, len(leaf) + 1)]
         paths[row, : len(nodes)] = torch.tensor(nodes)
-    return TreeBuffers(choices, depths, draft_index, mask, paths, topk, depth).to(device)
+    return TreeBuffers(choices, depths, draft_index, mask, paths, topk, depth, _levels(choices, index, depth)).to(device)
 
 
 def tree_tokens(root: torch.Tensor, draft_topk: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:

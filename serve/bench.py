@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     target = model.base_model
     if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
         model.config.tree = validate_choices(load_tree(args.tree), model.config.num_heads)
-    choices = model.config.choices
+        model.config.dtype_trees = {}
+    choices = model.choices
     questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
     if not questions:
         raise SystemExit(f"no questions for tasks {args.tasks} in {args.questions}")

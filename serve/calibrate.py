@@ -24,7 +24,7 @@ import torch
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, candidates_to_dicts, choose_tree,
                                      measure_forward_latency, measure_head_accuracy, monotone_latency)
-from medusa_lite.config import TREE_NAME
+from medusa_lite.config import TREE_NAME, dtype_name
 from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_target
 from medusa_lite.tree import expected_length
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"overhead outside target forwards {overhead_per_step * 1e3:.1f} ms/step")
 
     # (2) per-head accuracy, (3) latency vs tree tokens
-    current = model.config.choices
+    current = model.choices
     topk = max(args.topk, max(max(path) for path in current) + 1)  # enough ranks to score the current tree too
     accuracy = measure_head_accuracy(model, sequences, topk=topk)
     acc = accuracy["accuracies"]
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.save_tree).parent.mkdir(parents=True, exist_ok=True)
         Path(args.save_tree).write_text(json.dumps({"choices": best.choices}) + "\n")
         print(f"wrote {args.save_tree}")
-    out = Path(args.out) if args.out else heads_dir / REPORT_NAME
+    out = Path(args.out) if args.out else heads_dir / (REPORT_NAME if args.dtype == "fp32" else f"calibration-{args.dtype}.json")
     if args.out or not args.dry_run:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
@@ -172,15 +172,24 @@ def continuations(model, tokenizer, questions, args) -> tuple[list[tuple[torch.T
 
 
 def write_tree(heads_dir: Path, choices: list[list[int]], report: dict) -> None:
-    """Make ``choices`` the heads' default tree: ``tree.json`` and ``medusa_config.json``'s ``tree``."""
+    """Make ``choices`` the heads' tree for the calibrated dtype (``dtype_trees``; fp32's is also the
+    default ``tree`` for dtypes never calibrated), in ``medusa_config.json`` and ``tree.json``."""
     config = MedusaConfig.load(heads_dir)
-    config.tree = choices
+    dtype = dtype_name(report["dtype"])
+    config.dtype_trees[dtype] = choices
+    if dtype == "float32" or config.tree is None:
+        config.tree = choices
     config.save(heads_dir)
     summary = {k: report[k] for k in ("date", "dtype", "threads", "overhead_per_step")}
     summary["expected_length"] = report["best"]["expected_length"]
     summary["estimated_tokens_per_second"] = report["best"]["estimated_tokens_per_second"]
-    (heads_dir / TREE_NAME).write_text(json.dumps({"choices": choices, "calibration": summary}) + "\n")
-    print(f"wrote {heads_dir / TREE_NAME} and the tree in {heads_dir / 'medusa_config.json'}")
+    tree_file = heads_dir / TREE_NAME
+    old = json.loads(tree_file.read_text()) if tree_file.is_file() else {}
+    calibration = old.get("calibration", {}) if isinstance(old.get("calibration"), dict) else {}
+    calibration = {k: v for k, v in calibration.items() if k in config.dtype_trees} | {dtype: summary}
+    tree_file.write_text(json.dumps({"choices": config.choices, "by_dtype": config.dtype_trees,
+                                     "calibration": calibration}) + "\n")
+    print(f"wrote the {dtype} tree to {tree_file} and {heads_dir / 'medusa_config.json'}")
 
 
 if __name__ == "__main__":

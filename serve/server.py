@@ -807,7 +807,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     model, tokenizer, name = build_model(settings)
     log.info("loaded %s (%s, %s, tree of %d nodes) in %.1f s", name, settings.dtype, settings.device,
-             len(model.config.choices) + 1, time.perf_counter() - t0)
+             len(model.choices) + 1, time.perf_counter() - t0)
     metrics = Metrics()
     engine = Engine(model, tokenizer, metrics, settings.max_queue)
     app = create_app(engine, metrics, settings, name)

@@ -117,6 +117,17 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
                          "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run",
                          "--threads", "1", "--continuations", str(tmp_path / "cont.json")])
     assert [row[:3] for row in again["accuracy"]["accuracies"]] == [row[:3] for row in acc]
+    # a bf16 calibration adds the bf16 tree; fp32 keeps its own (sizes 1,2 cannot give the 8-node fp32 tree)
+    cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions), "--dtype", "bf16",
+                 "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2",
+                 "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--threads", "1"])
+    config = json.loads((heads / "medusa_config.json").read_text())
+    assert set(config["dtype_trees"]) == {"float32", "bfloat16"} and config["dtype_trees"]["float32"] == best
+    assert len(config["dtype_trees"]["bfloat16"]) <= 2 and (heads / "calibration-bf16.json").is_file()
+    assert MedusaModel.from_pretrained(load_target(target_dir, dtype="bf16")[0], heads).choices == \
+        config["dtype_trees"]["bfloat16"]
+    assert MedusaModel.from_pretrained(load_target(target_dir)[0], heads).choices == best
+    assert set(json.loads((heads / "tree.json").read_text())["calibration"]) == {"float32", "bfloat16"}
 
 
 def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
@@ -156,3 +167,27 @@ def test_measure_head_accuracy_matches_batched_heads(tmp_path):
         hits, totals = topk_hits(ranked, out.logits[0, prompt.numel() - 1:].argmax(-1))
     assert got["accuracies"] == accuracies_from_counts(hits, totals)
     assert got["totals"] == [12, 11, 10]  # T = 13 scored positions; head k needs k + 1 more
+
+
+def test_hydra_ranked_proposals_match_what_decoding_drafts_on_the_true_path(tmp_path):
+    """Calibration's teacher-forced Hydra accuracy reads the same proposals decoding drafts when the path is right."""
+    from medusa_lite.tree import build_buffers
+
+    target, _ = load_target(save_tiny_target(tmp_path / "t"))
+    model = MedusaModel(target, MedusaConfig(num_heads=2, head_type="hydra"))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    ids = target.generate(torch.tensor([[1, 3, 10, 12, 4]]), max_new_tokens=10, do_sample=False)[0]
+    with torch.no_grad():
+        hidden = target(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]
+    ranked = model.ranked_proposals(hidden, ids, topk=3)  # [2, T, 3]
+    wide = build_buffers([[0], [1], [2]])
+    for t in range(4, ids.numel() - 2):
+        drafted = model.draft_tree(hidden[t], ids[: t + 2], wide)  # root = the true token at t + 1
+        assert drafted[1:].tolist() == ranked[0, t].tolist()
+        path = build_buffers([[0], [0, 0]])  # depth 2 after the rank-0 token
+        second = model.draft_tree(hidden[t], ids[: t + 2], path)
+        if second[1] == ids[t + 2]:  # head 0 was right: head 1 read the true token
+            assert second[2] == ranked[1, t, 0]

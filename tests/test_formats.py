@@ -40,6 +40,28 @@ def test_round_trip(tmp_path, share):
     assert torch.equal(model.generate(ids, max_new_tokens=8), loaded.generate(ids, max_new_tokens=8))
 
 
+def test_round_trip_hydra_with_draft_vocab(tmp_path):
+    target = tiny_model("llama")
+    model = _trained(MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra", draft_vocab_size=50)))
+    model.heads.draft_ids.copy_(torch.arange(50) * 2)
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / WEIGHTS_NAME))
+    assert torch.equal(saved["draft_ids"], torch.arange(50) * 2) and "fuse.2.weight" in saved
+    loaded = MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
+    assert loaded.config.head_type == "hydra" and torch.equal(loaded.heads.draft_ids, model.heads.draft_ids)
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(ids, max_new_tokens=8), loaded.generate(ids, max_new_tokens=8))
+    # proposals come from the draft vocabulary only
+    from medusa_lite.tree import build_buffers
+
+    tokens = loaded.draft_tree(torch.randn(64), torch.tensor([3]), build_buffers(loaded.config.choices))
+    assert all(t % 2 == 0 for t in tokens[1:].tolist())
+    with pytest.raises(ValueError, match="head_type"):
+        MedusaConfig(head_type="eagle")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        MedusaConfig(draft_vocab_size=10, share_lm_head=False)
+
+
 def test_repeated_blocks_are_distinct_modules():
     model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=3, num_layers=2))
     blocks = [b for head in model.heads.blocks for b in head]

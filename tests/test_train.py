@@ -230,13 +230,31 @@ def test_deepspeed_launcher_two_cpu_ranks_zero3(material, tmp_path):
     cfg = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "out",
                        deepspeed="configs/deepspeed/zero3.json")
     proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", "29731", "train/train.py",
-                           "--config", str(cfg)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                           "--config", str(cfg), "head_type=hydra", "draft_vocab=40"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     heads = tmp_path / "out" / "heads"
     conf = json.loads((heads / "medusa_config.json").read_text())
     assert conf["training"]["world_size"] == 2 and conf["training"]["engine"] == "deepspeed ZeRO-3"
     state = load_file(str(heads / "heads.safetensors"))
     assert all(v.numel() > 0 and v.abs().sum() > 0 for k, v in state.items() if k.endswith("weight"))  # gathered
+    assert conf["head_type"] == "hydra" and state["draft_ids"].numel() == 40
+    _greedy_equal(material["target"], heads)
+
+
+def test_hydra_heads_with_draft_vocab_train_and_decode(material, tmp_path):
+    """Hydra heads on the 40 most frequent trained tokens: they learn, the ids are stored, decoding stays exact."""
+    out = main([f"target={material['target']}", f"data={material['data']}", "deepspeed=none", "precision=fp32",
+                "head_type=hydra", "draft_vocab=40", "seq_len=32", "max_steps=30", "lr=1e-2", "warmup_steps=2", "log_every=5",
+                "eval_samples=4", "progress=false", f"output_dir={tmp_path}"])
+    heads = Path(out["heads_dir"])
+    state = load_file(str(heads / "heads.safetensors"))
+    assert state["draft_ids"].numel() == 40 and len(set(state["draft_ids"].tolist())) == 40
+    conf = json.loads((heads / "medusa_config.json").read_text())
+    assert conf["head_type"] == "hydra" and conf["draft_vocab_size"] == 40
+    assert 0.5 < conf["training"]["draft_vocab_coverage"] < 1
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert all(last < first for first, last in zip(log[0]["loss"], log[-1]["loss"]))  # every head learns
     _greedy_equal(material["target"], heads)
 
 
@@ -263,3 +281,33 @@ def test_export_vllm_key_names_and_config(material, tmp_path):
         assert set(tensors) == expected
         assert tensors["blocks.1.layers.0.weight"].shape == (64, 64) and tensors["blocks.1.layers.0.bias"].shape == (64,)
         assert torch.equal(tensors["lm_heads.2.weight"], target.get_output_embeddings().weight)
+    # a reduced draft vocabulary becomes vLLM's truncated_vocab_size + token_map
+    model = MedusaModel(target, MedusaConfig(num_heads=2, draft_vocab_size=16))
+    model.heads.draft_ids.copy_(torch.arange(16) * 3)
+    model.save_pretrained(tmp_path / "small")
+    export_main([str(tmp_path / "small"), str(tmp_path / "vllm-small"), "--target", str(material["target"]),
+                 "--dtype", "fp32"])
+    assert json.loads((tmp_path / "vllm-small" / "config.json").read_text())["truncated_vocab_size"] == 16
+    tensors = load_file(str(tmp_path / "vllm-small" / "model.safetensors"))
+    assert torch.equal(tensors["token_map"], torch.arange(16) * 3)
+    assert torch.equal(tensors["lm_heads.1.weight"], target.get_output_embeddings().weight[torch.arange(16) * 3])
+    # Hydra heads have no vLLM counterpart
+    MedusaModel(target, MedusaConfig(num_heads=2, head_type="hydra")).save_pretrained(tmp_path / "hydra")
+    with pytest.raises(ValueError, match="hydra"):
+        export_main([str(tmp_path / "hydra"), str(tmp_path / "vllm-hydra"), "--target", str(material["target"])])
+
+
+def test_distill_data_writes_the_targets_answers_and_resumes(material, tmp_path):
+    from train.distill_data import main as distill_main
+
+    out = tmp_path / "distill.jsonl"
+    args = ["--target", str(material["target"]), "--prompts", str(material["data"]), "--out", str(out),
+            "--num-prompts", "6", "--max-new-tokens", "6", "--batch-size", "4", "--dtype", "fp32"]
+    distill_main(args)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 6 and len({r["source_index"] for r in rows}) == 6
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in rows)
+    distill_main(args)  # a finished (or interrupted) file is continued, never duplicated
+    assert len(out.read_text().splitlines()) == 6
+    records, skipped = D.read_records(out)  # and it is valid training data
+    assert len(records) + sum(skipped.values()) == 6

@@ -78,3 +78,43 @@ def test_shipped_trees_load():
     assert {4, 16, 32, 64} <= sizes
     for f in files:
         assert "provenance" in json.loads(f.read_text())
+
+
+def test_levels_give_each_depth_its_expanded_nodes_and_children():
+    b = build_buffers([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 2]])
+    # nodes: 0 root, 1 [0], 2 [1], 3 [0,0], 4 [0,1], 5 [1,0], 6 [0,0,2]
+    assert [lvl.expand.tolist() for lvl in b.levels] == [[0], [1, 2], [3]]
+    assert [lvl.parent_row.tolist() for lvl in b.levels] == [[0], [0, 0], [0]]
+    assert [lvl.children.tolist() for lvl in b.levels] == [[1, 2], [3, 4, 5], [6]]
+    assert [lvl.child_row.tolist() for lvl in b.levels] == [[0, 0], [0, 0, 1], [0]]
+    assert [lvl.child_rank.tolist() for lvl in b.levels] == [[0, 1], [0, 1, 0], [2]]
+    assert [lvl.topk for lvl in b.levels] == [2, 2, 3]
+
+
+def test_hydra_draft_tree_equals_per_node_recursion():
+    """Level-by-level batched Hydra drafting == drafting every node from its own path, one at a time."""
+    from conftest import tiny_model
+
+    from medusa_lite import MedusaConfig, MedusaModel
+    from medusa_lite.config import DEFAULT_TREE
+
+    target = tiny_model("llama")
+    model = MedusaModel(target, MedusaConfig(num_heads=4, head_type="hydra", tree=DEFAULT_TREE))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    buffers = build_buffers(DEFAULT_TREE)
+    hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
+    tokens = model.draft_tree(hidden, ids, buffers)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+
+    def node_token(path):  # recursion along the path, batch of one
+        state, token = hidden[None], ids[-1:]
+        for d in range(len(path)):
+            state = model.heads.step(d, state, embed(token))
+            token = lm_head(state).topk(path[d] + 1, dim=-1).indices[:, path[d]]
+        return int(token)
+
+    expected = [int(ids[-1])] + [node_token(p) for p in buffers.choices]
+    assert tokens.tolist() == expected

@@ -222,12 +222,17 @@ def make_windows(data: TokenData, *, seq_len: int, num_heads: int) -> torch.Tens
 
     Consecutive windows overlap by ``num_heads + 1`` tokens, and a window trains only its first
     ``seq_len - num_heads - 1`` positions, so every (position, head) pair is trained exactly once per epoch.
+    Windows that predict no trained token (long prompts) are left out: they would cost a step for nothing.
     """
     stride = seq_len - num_heads - 1
     if stride < 1:
         raise ValueError(f"seq_len={seq_len} must exceed num_heads + 1 = {num_heads + 1}")
     n = int(data.ids.numel())
-    return torch.arange(0, max(n - num_heads - 2, 1), stride)
+    starts = torch.arange(0, max(n - num_heads - 2, 1), stride)
+    seen = torch.cat([torch.zeros(1, dtype=torch.long), data.mask.long().cumsum(0)])  # [N + 1]
+    lo = (starts + 2).clamp(max=n)                                  # first predicted token
+    hi = (starts + stride + num_heads + 1).clamp(max=n)             # one past the last
+    return starts[seen[hi] - seen[lo] > 0]
 
 
 def gather_windows(tensor: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:

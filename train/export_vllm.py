@@ -7,6 +7,8 @@ OUT_DIR gets ``config.json`` ({"model_type": "medusa", "architectures": ["Medusa
 silently ignores unknown tensor names (the heads would then accept ~0%), so the names are tested.
 Heads trained with a shared lm_head get the target's lm_head weight written once per head, so the
 target is loaded (``--target``; default: the heads' recorded base model, or the bundled default).
+Heads with a reduced draft vocabulary get those rows only, ``truncated_vocab_size`` and vLLM's
+``token_map``. Hydra heads have no vLLM counterpart and are refused.
 """
 
 from __future__ import annotations
@@ -35,15 +37,22 @@ def vllm_config(config: MedusaConfig) -> dict:
     """vLLM's Medusa ``config.json`` for these heads."""
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size, "num_heads": config.num_heads,
-            "num_hidden_layers": config.num_layers, "medusa_fc_bias": True, "truncated_vocab_size": None}
+            "num_hidden_layers": config.num_layers, "medusa_fc_bias": True,
+            "truncated_vocab_size": config.draft_vocab_size}
 
 
 def vllm_tensors(config: MedusaConfig, state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor | None,
                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """medusa_lite heads state dict -> vLLM Medusa tensor names (every head gets an lm_head)."""
+    if config.head_type != "medusa":
+        raise ValueError(f"vLLM's Medusa proposer cannot run {config.head_type!r} heads (they read the drafted "
+                         "path); export Medusa heads, or serve these with medusa-lite serve")
     out: dict[str, torch.Tensor] = {}
+    token_map = state.get("draft_ids")
     for name, tensor in state.items():
-        if m := _BLOCK.match(name):
+        if name == "draft_ids":
+            out["token_map"] = tensor
+        elif m := _BLOCK.match(name):
             out[f"blocks.{m[1]}.layers.{m[2]}.{m[3]}"] = tensor
         elif m := _LM_HEAD.match(name):
             out[f"lm_heads.{m[1]}.weight"] = tensor
@@ -52,14 +61,17 @@ def vllm_tensors(config: MedusaConfig, state: dict[str, torch.Tensor], lm_head_w
     if config.share_lm_head:
         if lm_head_weight is None:
             raise ValueError("heads share the target's lm_head: give the target's lm_head weight")
+        rows = lm_head_weight if token_map is None else lm_head_weight[token_map]
         for h in range(config.num_heads):
-            out[f"lm_heads.{h}.weight"] = lm_head_weight
+            out[f"lm_heads.{h}.weight"] = rows
     expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(config.num_heads) for l in range(config.num_layers)
                 for p in ("weight", "bias")} | {f"lm_heads.{h}.weight" for h in range(config.num_heads)}
+    expected |= {"token_map"} if token_map is not None else set()
     if set(out) != expected:
         raise ValueError(f"exported names do not match vLLM's layout: missing {sorted(expected - set(out))}, "
                          f"extra {sorted(set(out) - expected)}")
-    return {k: v.detach().to(dtype).contiguous().clone() for k, v in sorted(out.items())}
+    return {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().clone()
+            for k, v in sorted(out.items())}
 
 
 def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: torch.Tensor | None = None,

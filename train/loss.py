@@ -64,11 +64,12 @@ def medusa_loss(
 
 @torch.no_grad()
 def agreement(head_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor,
-              topk: tuple[int, ...] = (1, 5)) -> dict[int, torch.Tensor]:
+              topk: tuple[int, ...] = (1, 5), vocab_ids: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """Weighted hit counts [K] per k in ``topk``: the target's argmax is among head k's top-k tokens.
 
-    head_logits [K, B, T, V], teacher_logits [B, T, V], weights [K, B, T] -> {k: [K]}; divide by
-    ``weights[:, :, :n].sum((1, 2))`` for rates.
+    head_logits [K, B, T, V'], teacher_logits [B, T, V], weights [K, B, T] -> {k: [K]}; divide by
+    ``weights[:, :, :n].sum((1, 2))`` for rates. ``vocab_ids`` [V'] maps a reduced head vocabulary to
+    token ids (V' = V without it).
     """
     num_heads, _, seq_len, _ = head_logits.shape
     n = num_positions(seq_len, num_heads)
@@ -76,6 +77,8 @@ def agreement(head_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: 
     out = {k: torch.zeros(num_heads) for k in topk}
     for h in range(num_heads):
         ranked = head_logits[h, :, :n].topk(max(topk), dim=-1).indices  # [B, n, kmax]
+        if vocab_ids is not None:
+            ranked = vocab_ids.to(ranked.device)[ranked]
         target = teacher_top1[:, 1 + h: 1 + h + n, None]                # [B, n, 1]
         w = weights[h, :, :n].float()
         for k in topk:

@@ -46,6 +46,7 @@ class TrainConfig:
     target: str | None = None             # HF directory or .gguf file; None -> the bundled default target
     adapter: str | None = None            # PEFT (LoRA) adapter directory, merged into the target
     # heads
+    head_type: str = "medusa"             # 'medusa' (h_t only) or 'hydra' (also reads the drafted path)
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = True
@@ -68,8 +69,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "bf16"               # 'bf16' (target bf16, heads fp32 + bf16 autocast) or 'fp32'
     cache_features: bool = True           # precompute the target's final-norm hidden states once
-    draft_vocab: int | None = None        # train on the target's distribution restricted to the N most
-                                          # frequent training tokens (speed; evaluation uses the full vocab)
+    draft_vocab: int | None = None        # heads propose only the N most frequent training tokens (train and
+                                          # decode read N lm_head rows instead of all: speed; stored in the heads)
     threads: int | None = None            # torch.set_num_threads (1 is fastest on a busy shared CPU)
     # engine
     deepspeed: str | None = "configs/deepspeed/zero2.json"  # DeepSpeed JSON; None -> plain torch loop
@@ -86,6 +87,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss not in ("kl", "ce"):
             raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
+        if self.head_type not in ("medusa", "hydra"):
+            raise ValueError(f"head_type must be 'medusa' or 'hydra', got {self.head_type!r}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
         for name in ("num_heads", "num_layers", "seq_len", "max_steps", "micro_batch_size", "grad_accum"):
@@ -232,11 +235,17 @@ def build_model(cfg: TrainConfig, rt: Runtime):
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     target, tokenizer = load_target(cfg.target, dtype=dtype, device=str(rt.device), adapter=cfg.adapter)
     head_cfg = MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
+                            head_type=cfg.head_type, draft_vocab_size=_draft_vocab_size(cfg, target),
                             base_model=cfg.target or DEFAULT_TARGET)
     torch.manual_seed(cfg.seed)
     model = MedusaModel(target, head_cfg)  # freezes the target: requires_grad False, eval()
     model.heads.float()
     return model, tokenizer
+
+
+def _draft_vocab_size(cfg: TrainConfig, target) -> int | None:
+    vocab = target.get_output_embeddings().weight.shape[0]
+    return cfg.draft_vocab if cfg.draft_vocab is not None and cfg.draft_vocab < vocab else None
 
 
 def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D.TokenData, dict[str, Any]]:
@@ -358,12 +367,14 @@ def load_deepspeed_config(cfg: TrainConfig, rt: Runtime) -> dict[str, Any]:
 
 def training_projection(cfg: TrainConfig, model, data: D.TokenData) -> torch.nn.Module:
     """The vocabulary projection used in training: the target's lm_head, or its rows for the
-    ``draft_vocab`` most frequent trained tokens (a frozen [V', H] slice; teacher and heads both use it)."""
+    ``draft_vocab`` most frequent trained tokens (a frozen [V', H] slice; teacher and heads both use it).
+    Those token ids are stored in the heads (``draft_ids``): decoding proposes from the same rows."""
     lm_head = model.base_model.get_output_embeddings()
-    if cfg.draft_vocab is None or cfg.draft_vocab >= lm_head.weight.shape[0]:
+    if model.config.draft_vocab_size is None:
         return lm_head
     counts = torch.bincount(data.ids[data.mask.bool()], minlength=lm_head.weight.shape[0])
     keep = counts.topk(cfg.draft_vocab).indices.sort().values                  # [V']
+    model.heads.draft_ids.copy_(keep.to(model.heads.draft_ids.device))
     proj = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=lm_head.bias is not None,
                            device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     with torch.no_grad():
@@ -521,10 +532,11 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
                rt: Runtime):
     """One optimiser step over this rank's micro batches; returns summed per-head stats."""
     stats = None
+    embed = model.base_model.get_input_embeddings()
     for micro, starts in enumerate(micro_batches):
         h, teacher, weights, ids = window_inputs(cfg, model, proj, data, hidden, starts, rt)
         with autocast(cfg, rt):
-            head_logits = engine(h.float() if cfg.precision == "fp32" else h, proj)   # [K, B, T, V']
+            head_logits = engine(h.float() if cfg.precision == "fp32" else h, proj, ids, embed)  # [K, B, T, V']
         loss, s = medusa_loss(head_logits, teacher, weights, ids, loss=cfg.loss, decay=cfg.decay)
         engine.backward(loss)
         engine.step(micro)
@@ -538,20 +550,25 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
 
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden, rt: Runtime) -> dict[str, Any]:
-    """Per-head top-1 / top-5 agreement with the target's argmax on the held-out windows."""
+    """Per-head top-1 / top-5 agreement with the target's argmax on the held-out windows, the heads
+    proposing from the vocabulary they decode with (``draft_ids`` when set)."""
     starts = D.make_windows(data, seq_len=cfg.seq_len, num_heads=cfg.num_heads)
     mine = starts[rt.rank::rt.world]
     hits = {1: torch.zeros(cfg.num_heads), 5: torch.zeros(cfg.num_heads)}
     count = torch.zeros(cfg.num_heads)
     lm_head = model.base_model.get_output_embeddings()
+    embed = model.base_model.get_input_embeddings()
+    weight, vocab_ids = model.draft_projection()
     n = num_positions(cfg.seq_len, cfg.num_heads)
     with engine.gathered():
         for i in range(0, len(mine), cfg.micro_batch_size):
-            h, teacher, weights, _ = window_inputs(cfg, model, lm_head, data, hidden,
-                                                   mine[i: i + cfg.micro_batch_size], rt)
+            h, teacher, weights, ids = window_inputs(cfg, model, lm_head, data, hidden,
+                                                     mine[i: i + cfg.micro_batch_size], rt)
             with autocast(cfg, rt):
-                head_logits = model.heads(h.float() if cfg.precision == "fp32" else h, lm_head)
-            got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5))
+                feats = model.heads.hidden(h.float() if cfg.precision == "fp32" else h, ids, embed)  # [K, B, T, H]
+                head_logits = feats @ weight.T.to(feats.dtype) if model.heads.lm_heads is None \
+                    else torch.stack([head(f) for head, f in zip(model.heads.lm_heads, feats)])
+            got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5), vocab_ids=vocab_ids)
             for k in hits:
                 hits[k] += got[k]
             count += weights[:, :, :n].sum((1, 2)).cpu()
@@ -666,11 +683,13 @@ def model_card(p: dict[str, Any]) -> str:
     ev, cfg, data = p.get("eval", {}), p.get("config", {}), p["data"]
     rows = "\n".join(f"| {k + 1} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} |" for k in range(len(ev.get("top1", []))))
     lm_head = "shared frozen target lm_head" if cfg.get("share_lm_head", True) else "per-head lm_head"
-    vocab = (f"; teacher and heads projected on the {cfg['draft_vocab']} most frequent trained tokens during "
-             "training (evaluation and inference use the full vocabulary)") if cfg.get("draft_vocab") else ""
-    return f"""# Medusa heads for {p['base_model']}
+    vocab = (f"; the heads propose from the {cfg['draft_vocab']} most frequent trained tokens "
+             f"({p.get('draft_vocab_coverage', 0):.4f} of trained tokens; `draft_ids` in the weights), in training "
+             "and decoding") if cfg.get("draft_vocab") else ""
+    kind = {"medusa": "Medusa", "hydra": "Hydra (sequentially dependent)"}[cfg.get("head_type", "medusa")]
+    return f"""# Draft heads for {p['base_model']}
 
-{p['num_heads']} Medusa heads ({p['num_layers']} ResBlock each, {lm_head}) trained by medusa_lite
+{p['num_heads']} {kind} heads ({p['num_layers']} ResBlock each, {lm_head}) trained by medusa_lite
 {p['library_version']} with `{p['loss']}` self-distillation on the frozen target{vocab}.
 
 - data: `{data['data']}` ({data['train_docs']} training documents, {data['train_tokens']} tokens of which
@@ -733,7 +752,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
         "hardware": hardware(), "world_size": rt.world,
         "engine": f"deepspeed ZeRO-{engine.zero_stage}" if cfg.deepspeed else "torch",
-        "command": launch_command(rt),
+        "command": launch_command(rt), "draft_vocab_coverage": getattr(proj, "coverage", None),
         "eval": metrics, "config": dataclasses.asdict(cfg),
     }
     heads_dir = save_heads(cfg, model, engine, rt, provenance)
