@@ -167,7 +167,7 @@ class MedusaModel(nn.Module):
         if self.heads.lm_heads is not None:
             return self.heads.lm_heads[k](feats).topk(topk, dim=-1).indices
         weight, ids = self.draft_projection()
-        ranked = (feats @ weight.T).topk(topk, dim=-1).indices
+        ranked = torch.nn.functional.linear(feats, weight).topk(topk, dim=-1).indices
         return ranked if ids is None else ids[ranked]
 
     @torch.no_grad()

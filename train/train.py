@@ -702,8 +702,9 @@ def model_card(p: dict[str, Any]) -> str:
 - hardware: {p['hardware']} ({p['world_size']} process(es), engine: {p['engine']})
 - command: `{p['command']}`
 
-Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)} assistant positions,
-full vocabulary): head k proposes the token k positions after the target's own next token.
+Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)} assistant positions of
+held-out documents; the heads ranking the vocabulary they decode with): head k proposes the token k
+positions after the target's own next token{', reading the true tokens before it' if cfg.get('head_type') == 'hydra' else ''}.
 
 | head | top-1 | top-5 |
 |---:|---:|---:|
