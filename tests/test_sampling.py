@@ -24,9 +24,9 @@ PROMPT = torch.tensor([[1, 2, 3, 4]])
 TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1]]  # depth 2: acceptance, rejection, bonus all exercised
 
 
-def make_model() -> MedusaModel:
+def make_model(head_type: str = "medusa") -> MedusaModel:
     target = tiny_model("llama", vocab=VOCAB, init=0.12, layers=1, hidden=32, seed=3)
-    model = MedusaModel(target, MedusaConfig(num_heads=2, tree=TREE))
+    model = MedusaModel(target, MedusaConfig(num_heads=2, tree=TREE, head_type=head_type))
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.heads.parameters():
@@ -71,14 +71,15 @@ def _support(exact: dict) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gen", [
-    {"temperature": 1.0, "top_k": 0},
-    {"temperature": 0.7, "top_k": 0},
-    {"temperature": 1.0, "top_k": 3},
-    {"temperature": 1.0, "top_k": 0, "top_p": 0.8},
-], ids=["T1", "T0.7", "topk3", "topp0.8"])
-def test_sampling_matches_target_distribution(gen):
-    model = make_model()
+@pytest.mark.parametrize("gen, heads", [
+    ({"temperature": 1.0, "top_k": 0}, "medusa"),
+    ({"temperature": 0.7, "top_k": 0}, "medusa"),
+    ({"temperature": 1.0, "top_k": 3}, "medusa"),
+    ({"temperature": 1.0, "top_k": 0, "top_p": 0.8}, "medusa"),
+    ({"temperature": 1.0, "top_k": 0}, "hydra"),  # path-dependent drafts
+], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra"])
+def test_sampling_matches_target_distribution(gen, heads):
+    model = make_model(heads)
     exact = exact_distribution(model, **gen)
     counts = sample_counts(model, N_SAMPLES, **gen)
     tv = tv_distance(exact, counts, N_SAMPLES)
