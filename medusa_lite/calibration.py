@@ -13,6 +13,11 @@ For each candidate size s, :func:`medusa_lite.tree.grow_tree` gives the best tre
 expected tokens per step is :func:`medusa_lite.tree.expected_length` and its expected speed is
 ``expected_length / (latency(s + 1) + overhead)``. :func:`choose_tree` picks the fastest.
 
+The formula treats heads as independent. :func:`replay_acceptance` measures instead: from every
+position of the target's own greedy continuations it drafts the tree exactly as decoding would and
+walks it against the true continuation (what greedy verification would accept there). It scores any
+tree, including dynamic ones (EAGLE-2 style) the formula cannot, and times the drafting itself.
+
 The first part of this module is pure math (numbers and tensors in, numbers out); the second part
 runs the measurements on a model and is what ``medusa-lite calibrate`` calls.
 """
@@ -20,12 +25,14 @@ runs the measurements on a model and is what ``medusa-lite calibrate`` calls.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .generate import GenerationStats, cache_kwarg, verify_forward
-from .tree import Choices, build_buffers, chain, expected_length, grow_tree
+from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree
+from .verify import accept
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
 DEFAULT_LATENCY_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -192,3 +199,36 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
             if rep > 0:
                 times[n].append(stats.target_time)
     return {n: {"median": statistics.median(ts), "min": min(ts)} for n, ts in times.items()}
+
+
+@torch.no_grad()
+def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: TreeSpec, stride: int = 1,
+                      features: list[torch.Tensor] | None = None) -> dict:
+    """Measured tokens per step of ``tree`` on the target's own greedy continuations (greedy decoding).
+
+    At every ``stride``-th position t of ``ids[start - 1:]`` the tree is drafted from the target's hidden
+    state at t with the true token at t + 1 as root (what decoding sees after an accepted step), and
+    walked against the true continuation with :func:`medusa_lite.verify.accept`: a node is right when
+    it holds the target's greedy token after its path. Returns ``{"mean_tokens": accepted + bonus per
+    step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed}``.
+    ``features``: the sequences' final hidden states [L, H], if already computed.
+    """
+    drafter = model.drafter(tree)
+    total, steps, seconds = 0, 0, 0.0
+    for i, (ids, start) in enumerate(sequences):
+        hidden = features[i] if features is not None else final_hidden(model.base_model, ids)
+        for t in range(max(start - 1, 0), ids.numel() - 2, stride):
+            t0 = time.perf_counter()
+            tokens, buffers = drafter(hidden[t], ids[: t + 2], ids.numel() - t - 2)
+            seconds += time.perf_counter() - t0
+            truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
+            nodes, _ = accept(tokens, truth, buffers.paths)
+            total += nodes.numel()  # accepted + bonus
+            steps += 1
+    return {"mean_tokens": total / max(steps, 1), "draft_seconds": seconds / max(steps, 1), "steps": steps}
+
+
+@torch.no_grad()
+def final_hidden(target, ids: torch.Tensor) -> torch.Tensor:
+    """[L] ids -> [L, H] the target's final-norm hidden states (one forward, no cache)."""
+    return target(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False).hidden_states[-1][0]

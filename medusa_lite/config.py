@@ -50,8 +50,8 @@ class MedusaConfig:
     share_lm_head: bool = True          # shared frozen target lm_head (small) or per-head copies
     head_type: str = "medusa"           # "medusa" (reads h_t) or "hydra" (also reads the drafted path)
     draft_vocab_size: int | None = None  # heads propose only these many tokens (ids stored with the weights)
-    tree: list[list[int]] | None = None  # medusa_choices; None -> DEFAULT_TREE truncated to num_heads
-    dtype_trees: dict[str, list[list[int]]] = field(default_factory=dict)  # calibrated per target dtype
+    tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None -> DEFAULT_TREE
+    dtype_trees: dict[str, list[list[int]] | dict] = field(default_factory=dict)  # calibrated per target dtype
     hidden_size: int | None = None
     vocab_size: int | None = None
     base_model: str | None = None
@@ -69,20 +69,22 @@ class MedusaConfig:
         if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
                                                   or self.draft_vocab_size < 1 or not self.share_lm_head):
             raise ValueError("MedusaConfig.draft_vocab_size must be a positive integer and needs share_lm_head=True")
-        from .tree import validate_choices
+        from .tree import parse_tree, tree_json
         if self.tree is not None:
-            self.tree = validate_choices(self.tree, self.num_heads)
+            self.tree = tree_json(parse_tree(self.tree, self.num_heads))
         if not isinstance(self.dtype_trees, dict):
             raise ValueError("MedusaConfig.dtype_trees must map a dtype name ('float32', 'bfloat16') to a tree")
-        self.dtype_trees = {str(k): validate_choices(v, self.num_heads) for k, v in self.dtype_trees.items()}
+        self.dtype_trees = {str(k): tree_json(parse_tree(v, self.num_heads)) for k, v in self.dtype_trees.items()}
+        if "dynamic" in str(self.tree) + str(self.dtype_trees) and self.head_type != "hydra":
+            raise ValueError("dynamic trees need Hydra heads (head_type='hydra'): Medusa proposals ignore the path")
 
     @property
-    def choices(self) -> list[list[int]]:
-        """The tree to decode with."""
+    def choices(self) -> list[list[int]] | dict:
+        """The tree to decode with, in JSON form (a list of paths, or ``{"dynamic": {...}}``)."""
         from .tree import truncate
         return self.tree if self.tree is not None else truncate(DEFAULT_TREE, self.num_heads)
 
-    def choices_for(self, dtype) -> list[list[int]]:
+    def choices_for(self, dtype) -> list[list[int]] | dict:
         """The tree calibrated for ``dtype`` (a torch dtype or its name), else :attr:`choices`.
 
         A multi-token forward costs relatively more in fp32 than in bf16 on a CPU, so each dtype

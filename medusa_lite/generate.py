@@ -22,8 +22,9 @@ from .sampling import build_warpers, target_probs
 from .tree import TreeBuffers, attention_bias, build_buffers, truncate
 from .verify import accept, greedy_choice, sample_choice
 
-# hidden [H] of the last accepted position, all tokens so far [L] (the root last), tree -> [N] node tokens
-DraftFn = Callable[[torch.Tensor, torch.Tensor, TreeBuffers], torch.Tensor]
+# hidden [H] of the last accepted position, all tokens so far [L] (the root last), deepest allowed depth
+#   -> (node tokens [N], root first; the tree's buffers)
+Drafter = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, TreeBuffers]]
 
 
 @dataclass
@@ -104,10 +105,16 @@ class _Stopper:
         return kept, False
 
 
-class _Trees:
-    """Tree buffers per depth cap, built once: near ``max_new_tokens`` or the context end, shallower trees."""
+class StaticTree:
+    """A :data:`Drafter` over one fixed tree; buffers per depth cap are built once (near
+    ``max_new_tokens`` or the context end, shallower trees).
 
-    def __init__(self, choices: list[list[int]], device: torch.device):
+    ``fill(hidden, ids, buffers) -> [N]`` puts the heads' proposals into the tree's nodes.
+    """
+
+    def __init__(self, fill: Callable[[torch.Tensor, torch.Tensor, TreeBuffers], torch.Tensor],
+                 choices: list[list[int]], device: torch.device):
+        self.fill = fill
         self.choices = choices
         self.device = device
         self.full = build_buffers(choices, device)
@@ -118,6 +125,10 @@ class _Trees:
         if depth not in self._by_depth:
             self._by_depth[depth] = build_buffers(truncate(self.choices, depth), self.device)
         return self._by_depth[depth]
+
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
+        buffers = self.get(max_depth)
+        return self.fill(hidden, ids, buffers), buffers
 
 
 def cache_kwarg(target) -> str:
@@ -163,10 +174,9 @@ def context_length(config) -> int | None:
 @torch.no_grad()
 def speculative_generate(
     target,
-    draft: DraftFn,
+    draft: Drafter,
     prompt: torch.Tensor,
     config: GenerationConfig,
-    choices: list[list[int]],
     *,
     max_new_tokens: int,
     streamer=None,
@@ -185,7 +195,6 @@ def speculative_generate(
         return sample_choice(target_probs(logits, warpers), generator)
 
     stopper = _Stopper(prompt, config, max_new_tokens, stopping_criteria)
-    trees = _Trees(choices, device)
     limit = context_length(target.config)
     cache = new_cache(target)
     cache_arg = {cache_kwarg(target): cache}
@@ -201,8 +210,7 @@ def speculative_generate(
         max_depth = stopper.remaining - 1
         if limit is not None:
             max_depth = min(max_depth, limit - cache_len - 1)
-        buffers = trees.get(max_depth)
-        tokens = draft(hidden, torch.tensor(stopper.ids, device=device), buffers)  # [N], root first
+        tokens, buffers = draft(hidden, torch.tensor(stopper.ids, device=device), max_depth)  # [N], root first
         out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len)
         nodes, root = accept(tokens, choose(out.logits[0]), buffers.paths)  # [a+1], []
         keep_accepted(cache, cache_len, nodes)

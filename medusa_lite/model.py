@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -14,10 +15,11 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .generate import GenerationStats, context_length, speculative_generate
+from .generate import GenerationStats, StaticTree, context_length, speculative_generate
 from .heads import build_heads
 from .sampling import check_supported
-from .tree import TreeBuffers, load_tree, tree_tokens, validate_choices
+from .tree import (DynamicTree, TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, load_tree, parse_tree,
+                   tree_json, tree_tokens)
 
 _PROBE_ROWS = 8
 _PROBE_COLS = 8
@@ -111,7 +113,7 @@ class MedusaModel(nn.Module):
         heads_dir = Path(heads_dir)
         config = MedusaConfig.load(heads_dir)
         if (heads_dir / TREE_NAME).is_file() and config.tree is None:
-            config.tree = validate_choices(load_tree(heads_dir / TREE_NAME), config.num_heads)
+            config.tree = tree_json(parse_tree(load_tree(heads_dir / TREE_NAME), config.num_heads))
         check_fingerprint(config.target_fingerprint, base_model, str(heads_dir))
         model = cls(base_model, config, **kwargs)
         weights = heads_dir / WEIGHTS_NAME
@@ -210,13 +212,66 @@ class MedusaModel(nn.Module):
         return torch.stack([self._rank(f, topk, k) for k, f in enumerate(feats)])
 
     @property
-    def choices(self) -> list[list[int]]:
+    def choices(self) -> TreeSpec:
         """The tree ``generate`` uses by default: calibrated for the target's dtype when available."""
-        return self.config.choices_for(self.dtype)
+        return parse_tree(self.config.choices_for(self.dtype), self.config.num_heads)
 
     @property
     def _topk(self) -> int:
-        return max(max(p) for p in self.choices) + 1
+        tree = self.choices
+        return tree.topk if isinstance(tree, DynamicTree) else max(max(p) for p in tree) + 1
+
+    def drafter(self, tree: TreeSpec):
+        """The per-step drafting function of ``tree`` for :func:`medusa_lite.generate.speculative_generate`."""
+        if isinstance(tree, DynamicTree):
+            if self.config.head_type != "hydra":
+                raise ValueError("dynamic trees need Hydra heads: Medusa proposals do not depend on the path")
+            return functools.partial(self.draft_dynamic, tree=tree)
+        return StaticTree(self.draft_tree, tree, self.heads_device)
+
+    @torch.no_grad()
+    def draft_dynamic(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int,
+                      tree: DynamicTree) -> tuple[torch.Tensor, TreeBuffers]:
+        """Hydra heads grow a tree for this step (EAGLE-2): (node tokens [N], root first; its buffers).
+
+        Level d expands the ``tree.expand`` best nodes of depth d (root: d = 0) into their ``tree.topk``
+        most likely children, scored by the summed log-probability of their path; the ``tree.nodes``
+        best scored nodes are kept. A child's score is below its parent's (ties broken by depth), so the
+        kept set contains every kept node's ancestors.
+        """
+        depth = min(tree.depth, max_depth)
+        root = ids[-1:]
+        if depth < 1:
+            return root, build_buffers([], root.device)
+        embed = self.base_model.get_input_embeddings()
+        weight, vocab_ids = self.draft_projection()
+        state, tokens = hidden[None], root                   # expanded rows: [M, H], [M]
+        scores = torch.zeros(1, device=hidden.device)        # [M] path log-probability of each row
+        rows = torch.zeros(1, dtype=torch.long, device=hidden.device)  # [M] node index (0 = root)
+        all_tokens, all_scores, all_parents = [], [], []
+        count = 1                                            # nodes so far, root included
+        for d in range(depth):
+            state = self.heads.step(d, state, embed(tokens))  # [M, H]
+            logits = self.heads.lm_heads[d](state) if self.heads.lm_heads is not None \
+                else torch.nn.functional.linear(state, weight)
+            logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
+            child_tokens = (idx if vocab_ids is None else vocab_ids[idx]).flatten()     # [M * k]
+            child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent
+            all_tokens.append(child_tokens)
+            all_scores.append(child_scores)
+            all_parents.append(rows.repeat_interleave(tree.topk))
+            if d + 1 < depth:
+                pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
+                state, tokens, scores = state[pick // tree.topk], child_tokens[pick], child_scores[pick]
+                rows = count + pick
+            count += child_tokens.numel()
+        cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
+        cand_parents = torch.cat(all_parents).tolist()
+        keep = sorted(cand_scores.topk(min(tree.nodes, cand_scores.numel())).indices.tolist())  # parents first
+        node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}  # candidate c is node index c + 1 overall
+        parents = [-1] + [node_of[cand_parents[c]] for c in keep]
+        out = torch.cat([root, cand_tokens[torch.tensor(keep, device=root.device)]])
+        return out, buffers_from_parents(parents, root.device)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -260,12 +315,12 @@ class MedusaModel(nn.Module):
             if tokenizer is None:
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
-        choices = validate_choices(tree, self.config.num_heads) if tree is not None else self.choices
+        drafter = self.drafter(parse_tree(tree, self.config.num_heads) if tree is not None else self.choices)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
             new, stats = speculative_generate(
-                self.base_model, self.draft_tree, prompt, config, choices, max_new_tokens=max_new, streamer=streamer,
+                self.base_model, drafter, prompt, config, max_new_tokens=max_new, streamer=streamer,
                 stopping_criteria=criteria, generator=generator)
         finally:
             if streamer is not None:

@@ -42,15 +42,69 @@ def validate_choices(choices: Choices, num_heads: int | None = None) -> Choices:
     return [list(p) for p in sorted(paths, key=lambda p: (len(p), p))]
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen anew at every step from the heads' own scores (EAGLE-2 style, Hydra heads).
+
+    Level by level, the ``expand`` best nodes of the deepest level (by the summed log-probability
+    of their path under the heads) get their ``topk`` most likely children, down to ``depth``; then
+    the ``nodes`` best nodes overall (root excluded) are verified. JSON form:
+    ``{"dynamic": {"nodes": 16, "depth": 4, "topk": 4, "expand": 4}}``.
+    """
+
+    nodes: int
+    depth: int
+    topk: int = 4
+    expand: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "depth", "topk", "expand"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"dynamic tree {name} must be a positive integer, got {value!r}")
+
+    def to_json(self) -> dict:
+        return {"dynamic": {"nodes": self.nodes, "depth": self.depth, "topk": self.topk, "expand": self.expand}}
+
+
+TreeSpec = Choices | DynamicTree
+
+
+def parse_tree(spec, num_heads: int | None = None) -> TreeSpec:
+    """A tree in JSON form -> validated choices (static) or :class:`DynamicTree`; ValueError naming the problem."""
+    if isinstance(spec, DynamicTree):
+        tree = spec
+    elif isinstance(spec, dict) and set(spec) == {"dynamic"} and isinstance(spec["dynamic"], dict):
+        unknown = set(spec["dynamic"]) - {"nodes", "depth", "topk", "expand"}
+        if unknown:
+            raise ValueError(f"dynamic tree has unknown keys {sorted(unknown)}")
+        tree = DynamicTree(**spec["dynamic"])
+    else:
+        return validate_choices(spec, num_heads)
+    if num_heads is not None and tree.depth > num_heads:
+        raise ValueError(f"dynamic tree depth {tree.depth} needs {tree.depth} heads but the model has {num_heads}")
+    return tree
+
+
+def tree_nodes(tree: TreeSpec) -> int:
+    """Nodes verified per step, root excluded (a dynamic tree's budget)."""
+    return tree.nodes if isinstance(tree, DynamicTree) else len(tree)
+
+
+def tree_json(tree: TreeSpec):
+    """The JSON form of a tree (a list of paths, or ``{"dynamic": {...}}``)."""
+    return tree.to_json() if isinstance(tree, DynamicTree) else tree
+
+
 def chain(depth: int) -> Choices:
     """The chain tree ``[[0], [0, 0], ...]`` of the given depth."""
     return [[0] * d for d in range(1, depth + 1)]
 
 
-def load_tree(path: str | Path) -> Choices:
-    """Read a tree JSON file: either a list of paths or ``{"choices": [...]}``."""
+def load_tree(path: str | Path) -> TreeSpec:
+    """Read a tree JSON file: a list of paths, ``{"choices": [...]}`` or ``{"dynamic": {...}}``."""
     data = json.loads(Path(path).read_text())
-    return validate_choices(data["choices"] if isinstance(data, dict) else data)
+    return parse_tree(data["choices"] if isinstance(data, dict) and "choices" in data else data)
 
 
 def truncate(choices: Choices, max_depth: int) -> Choices:
@@ -150,6 +204,34 @@ def build_buffers(choices: Choices, device: torch.device | str = "cpu") -> TreeB
         nodes = [0] + [index[leaf[:d]] for d in range(1, len(leaf) + 1)]
         paths[row, : len(nodes)] = torch.tensor(nodes)
     return TreeBuffers(choices, depths, draft_index, mask, paths, topk, depth, _levels(choices, index, depth)).to(device)
+
+
+def buffers_from_parents(parents: list[int], device: torch.device | str = "cpu") -> TreeBuffers:
+    """Verification buffers of a tree given by parent pointers (a tree chosen per step, EAGLE-2 style).
+
+    parents[i]: index of node i's parent, ``parents[0] == -1`` for the root; parents precede children.
+    Only what verification reads is filled (depths, ancestor mask, paths); ``choices`` is empty.
+    """
+    n = len(parents)
+    depths = [0] * n
+    ancestors: list[list[int]] = [[0]]
+    for i in range(1, n):
+        p = parents[i]
+        if not 0 <= p < i:
+            raise ValueError(f"node {i} has parent {p}: parents must precede their children")
+        depths[i] = depths[p] + 1
+        ancestors.append(ancestors[p] + [i])
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, row in enumerate(ancestors):
+        mask[i, row] = True
+    is_parent = set(parents[1:])
+    leaves = [i for i in range(n) if i not in is_parent]
+    depth = max(depths)
+    paths = torch.full((len(leaves), depth + 1), -1, dtype=torch.long)
+    for r, leaf in enumerate(leaves):
+        paths[r, : len(ancestors[leaf])] = torch.tensor(ancestors[leaf])
+    empty = torch.zeros(0, dtype=torch.long)
+    return TreeBuffers([], torch.tensor(depths), empty, mask, paths, 0, depth, []).to(device)
 
 
 def tree_tokens(root: torch.Tensor, draft_topk: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:

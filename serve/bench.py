@@ -27,7 +27,7 @@ from tqdm import tqdm
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_default, load_target
-from medusa_lite.tree import load_tree, validate_choices
+from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
 
 METHODS = ("plain", "pld", "medusa")
 LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite"}
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer, heads = build_model(args)
     target = model.base_model
     if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
-        model.config.tree = validate_choices(load_tree(args.tree), model.config.num_heads)
+        model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))
         model.config.dtype_trees = {}
     choices = model.choices
     questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
             "decoding": "greedy" if greedy else f"sampling T={args.temperature}", "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "questions_per_task": args.limit or "all",
             "tasks": args.tasks, "turns": "first turn only", "methods": args.methods, "seed": args.seed,
-            "prompt_lookup_num_tokens": args.prompt_lookup_tokens, "tree": choices, "tree_nodes": len(choices),
+            "prompt_lookup_num_tokens": args.prompt_lookup_tokens, "tree": tree_json(choices), "tree_nodes": tree_nodes(choices),
             "questions_file": str(args.questions), "threads": torch.get_num_threads(),
             "load_average": [round(x, 2) for x in os.getloadavg()],  # other processes skew timings
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -7,7 +7,10 @@ Stages: (1) the target's own greedy continuations of held-out prompts (by defaul
 ``--per-task`` Spec-Bench questions of each task, so a ``bench --limit N`` run with small N never sees
 them), (2) per-head top-k accuracy against the target, teacher-forced, (3) the target's forward
 latency vs number of tree tokens with a ``--cache-len`` cache, plus the measured per-step overhead
-outside the forward, (4) the tree maximising expected tokens/s. The heads directory then decodes with
+outside the forward, (4) candidate trees: the best static tree of every size by the accuracy
+formula, and for Hydra heads dynamic trees of the same sizes; each is replayed on the continuations
+(drafted as in decoding, walked against the target's tokens, drafting timed) and the one with the
+best measured tokens per step / (forward latency + overhead) wins. The heads directory then decodes with
 that tree by default; ``calibration.json`` there records every measurement.
 """
 
@@ -22,12 +25,13 @@ from pathlib import Path
 import torch
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, candidates_to_dicts, choose_tree,
-                                     measure_forward_latency, measure_head_accuracy, monotone_latency)
+from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, final_hidden,
+                                     interpolate_latency, measure_forward_latency, measure_head_accuracy,
+                                     monotone_latency, replay_acceptance)
 from medusa_lite.config import TREE_NAME, dtype_name
 from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_target
-from medusa_lite.tree import expected_length
+from medusa_lite.tree import DynamicTree, parse_tree, tree_json
 
 REPORT_NAME = "calibration.json"
 
@@ -57,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="report only; leave the heads directory unchanged")
     p.add_argument("--continuations", default=None,
                    help="JSON cache of the target's continuations: reused when it matches, else written")
+    p.add_argument("--no-replay", dest="replay", action="store_false",
+                   help="score trees by the independence formula only (faster; no dynamic trees)")
+    p.add_argument("--stride", type=int, default=2, help="replay every N-th position of the continuations")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # (2) per-head accuracy, (3) latency vs tree tokens
     current = model.choices
-    topk = max(args.topk, max(max(path) for path in current) + 1)  # enough ranks to score the current tree too
+    topk = args.topk
     accuracy = measure_head_accuracy(model, sequences, topk=topk)
     acc = accuracy["accuracies"]
     for k, row in enumerate(acc):
@@ -97,12 +104,30 @@ def main(argv: list[str] | None = None) -> dict:
     print("forward latency (ms) by tree tokens: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in table.items()))
     plain = 1.0 / table[min(table)]  # plain decoding: one token per single-token forward, no drafting
 
-    # (4) choose
-    best, candidates = choose_tree(acc, table, args.sizes, overhead=overhead_per_step)
-    for c in candidates:
-        mark = " <- best" if c is best else ""
-        print(f"size {c.size:3d}: expected {c.expected_length:.2f} tokens/step, {c.latency * 1e3:.1f} ms/step, "
-              f"{c.tokens_per_second:.1f} tokens/s{mark}")
+    # (4) choose: the formula's best static tree of every size (+ dynamic trees for Hydra heads), each
+    #     replayed on the continuations (measured tokens/step and drafting time) unless --no-replay
+    _, formula = choose_tree(acc, table, args.sizes, overhead=overhead_per_step)
+    rows = [{"kind": "static", "tree": c.choices, "size": c.size, "expected_length": c.expected_length,
+             "tokens_per_step": c.expected_length, "step_ms": c.latency * 1e3, "tokens_per_second": c.tokens_per_second}
+            for c in formula]
+    if args.replay:
+        if model.config.head_type == "hydra":
+            rows += [{"kind": "dynamic", "tree": DynamicTree(n, model.config.num_heads, topk=k, expand=4).to_json(),
+                      "size": n} for n in args.sizes if n >= 4 for k in (4, 8)]
+        features = [final_hidden(target, ids) for ids, _ in sequences]
+        base = replay_acceptance(model, sequences, current, args.stride, features)
+        rest = max(overhead_per_step - base["draft_seconds"], 0.0)  # verification + bookkeeping per step
+        for row in rows:
+            r = replay_acceptance(model, sequences, parse_tree(row["tree"]), args.stride, features)
+            step = interpolate_latency(table, row["size"] + 1) + rest + r["draft_seconds"]
+            row.update(tokens_per_step=r["mean_tokens"], draft_ms=r["draft_seconds"] * 1e3, step_ms=step * 1e3,
+                       tokens_per_second=r["mean_tokens"] / step)
+    best = max(rows, key=lambda r: (round(r["tokens_per_second"], 9), -r["size"]))
+    for r in rows:
+        mark = " <- best" if r is best else ""
+        formula_note = f" (formula {r['expected_length']:.2f})" if "expected_length" in r else ""
+        print(f"{r['kind']:7s} {r['size']:3d} nodes: {r['tokens_per_step']:.2f} tokens/step{formula_note}, "
+              f"{r['step_ms']:.1f} ms/step, {r['tokens_per_second']:.1f} tokens/s{mark}")
 
     # save
     report = {
@@ -115,27 +140,28 @@ def main(argv: list[str] | None = None) -> dict:
         "latency": {str(n): v for n, v in latency.items()},
         "latency_used": {str(n): v for n, v in table.items()},  # medians, made non-decreasing in n
         "plain_tokens_per_second_estimate": plain,
-        "candidates": candidates_to_dicts(candidates),
-        "previous_tree": {"choices": current, "expected_length": expected_length(current, acc)},
-        "best": {"size": best.size, "expected_length": best.expected_length,
-                 "estimated_tokens_per_second": best.tokens_per_second, "choices": best.choices},
+        "replay": {"enabled": args.replay, "stride": args.stride},
+        "candidates": rows,
+        "previous_tree": {"choices": tree_json(current)},
+        "best": {"kind": best["kind"], "size": best["size"], "tokens_per_step": best["tokens_per_step"],
+                 "estimated_tokens_per_second": best["tokens_per_second"], "choices": best["tree"]},
         "written": not args.dry_run,
     }
     if not args.dry_run:
-        write_tree(heads_dir, best.choices, report)
+        write_tree(heads_dir, best["tree"], report)
     if args.save_tree:
         Path(args.save_tree).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_tree).write_text(json.dumps({"choices": best.choices}) + "\n")
+        Path(args.save_tree).write_text(json.dumps({"choices": best["tree"]}) + "\n")
         print(f"wrote {args.save_tree}")
     out = Path(args.out) if args.out else heads_dir / (REPORT_NAME if args.dtype == "fp32" else f"calibration-{args.dtype}.json")
     if args.out or not args.dry_run:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {out}")
-    print(f"best tree: {best.size} nodes, expected {best.expected_length:.2f} tokens/step, "
-          f"~{best.tokens_per_second:.1f} tokens/s (plain decoding ~{plain:.1f} tokens/s)"
+    print(f"best tree: {best['kind']}, {best['size']} nodes, {best['tokens_per_step']:.2f} tokens/step, "
+          f"~{best['tokens_per_second']:.1f} tokens/s (plain decoding ~{plain:.1f} tokens/s)"
           f"{' (dry run: not written)' if args.dry_run else ''}")
-    if best.tokens_per_second < plain:
+    if best["tokens_per_second"] < plain:
         print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
               "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
     return report
@@ -181,7 +207,7 @@ def write_tree(heads_dir: Path, choices: list[list[int]], report: dict) -> None:
         config.tree = choices
     config.save(heads_dir)
     summary = {k: report[k] for k in ("date", "dtype", "threads", "overhead_per_step")}
-    summary["expected_length"] = report["best"]["expected_length"]
+    summary["tokens_per_step"] = report["best"]["tokens_per_step"]
     summary["estimated_tokens_per_second"] = report["best"]["estimated_tokens_per_second"]
     tree_file = heads_dir / TREE_NAME
     old = json.loads(tree_file.read_text()) if tree_file.is_file() else {}

@@ -41,6 +41,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.generate import GenerationStats, context_length
 from medusa_lite.targets import DEFAULT_TARGET, has_bundled_heads, load_default, load_target
+from medusa_lite.tree import tree_nodes
 
 log = logging.getLogger("medusa_lite.serve")
 ROOT = Path(__file__).resolve().parents[1]
@@ -807,7 +808,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     model, tokenizer, name = build_model(settings)
     log.info("loaded %s (%s, %s, tree of %d nodes) in %.1f s", name, settings.dtype, settings.device,
-             len(model.choices) + 1, time.perf_counter() - t0)
+             tree_nodes(model.choices) + 1, time.perf_counter() - t0)
     metrics = Metrics()
     engine = Engine(model, tokenizer, metrics, settings.max_queue)
     app = create_app(engine, metrics, settings, name)

@@ -103,7 +103,8 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     saved = json.loads((heads / "calibration.json").read_text())
     assert saved["data"]["question_ids"] == [160, 400]
     acc = saved["accuracy"]["accuracies"]
-    assert len(acc) == 3 and all(len(row) == 4 and 0 <= sum(row) <= 1 + 1e-9 for row in acc)  # 4: the default tree uses rank 3
+    assert len(acc) == 3 and all(len(row) == 3 and 0 <= sum(row) <= 1 + 1e-9 for row in acc)
+    assert all(c["kind"] == "static" and c["tokens_per_step"] >= 1 for c in saved["candidates"])  # replayed
     assert set(saved["latency"]) >= {"1", "2", "4", "8", "9"}  # 8 nodes + root measured too
     assert saved["best"]["choices"] == report["best"]["choices"]
     best = saved["best"]["choices"]
@@ -191,3 +192,30 @@ def test_hydra_ranked_proposals_match_what_decoding_drafts_on_the_true_path(tmp_
         second = model.draft_tree(hidden[t], ids[: t + 2], path)
         if second[1] == ids[t + 2]:  # head 0 was right: head 1 read the true token
             assert second[2] == ranked[1, t, 0]
+
+
+def test_calibrate_hydra_replays_dynamic_trees(tmp_path):
+    """Hydra heads: dynamic trees are candidates, scored by replaying them on the target's continuations."""
+    from medusa_lite.tree import DynamicTree, load_tree
+
+    target_dir = save_tiny_target(tmp_path / "target")
+    model = MedusaModel(load_target(target_dir)[0], MedusaConfig(num_heads=2, head_type="hydra"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    heads = tmp_path / "heads"
+    model.save_pretrained(heads)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 160, "category": "writing", "turns": ["write a story"]}) + "\n")
+    sys.path.insert(0, str(ROOT))
+    cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
+    report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
+                          "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,4",
+                          "--latency-tokens", "1,5", "--cache-len", "16", "--repeats", "1", "--threads", "1",
+                          "--stride", "1", "--dry-run", "--save-tree", str(tmp_path / "best.json")])
+    kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
+    assert ("dynamic", 4) in kinds and ("static", 1) in kinds
+    assert all(1 <= c["tokens_per_step"] <= 3 and c["draft_ms"] > 0 for c in report["candidates"])
+    tree = load_tree(tmp_path / "best.json")
+    assert (isinstance(tree, DynamicTree)) == (report["best"]["kind"] == "dynamic")

@@ -46,14 +46,17 @@ def test_greedy_equals_plain(arch, tree, heads, prompt):
         assert stats.target_forwards <= 1 + 40 // 4
 
 
+HYDRA_TREES = {**TREES, "dynamic": {"dynamic": {"nodes": 12, "depth": 4, "topk": 3, "expand": 3}}}
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("tree", ["chain", "default", "wide"])
+@pytest.mark.parametrize("tree", ["chain", "default", "wide", "dynamic"])
 def test_greedy_equals_plain_hydra(arch, tree, prompt):
     """Hydra heads (path-dependent drafts, reduced draft vocabulary): still token-for-token plain decoding."""
     target = tiny_model(arch)
     ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
     model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=4, head_type="hydra", draft_vocab_size=96,
-                                                           tree=TREES[tree])))
+                                                           tree=HYDRA_TREES[tree])))
     model.heads.draft_ids.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:96])
     assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False), ref)
     assert model.last_stats.new_tokens == 40

@@ -24,9 +24,9 @@ PROMPT = torch.tensor([[1, 2, 3, 4]])
 TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1]]  # depth 2: acceptance, rejection, bonus all exercised
 
 
-def make_model(head_type: str = "medusa") -> MedusaModel:
+def make_model(head_type: str = "medusa", tree=TREE) -> MedusaModel:
     target = tiny_model("llama", vocab=VOCAB, init=0.12, layers=1, hidden=32, seed=3)
-    model = MedusaModel(target, MedusaConfig(num_heads=2, tree=TREE, head_type=head_type))
+    model = MedusaModel(target, MedusaConfig(num_heads=2, tree=tree, head_type=head_type))
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.heads.parameters():
@@ -51,7 +51,10 @@ def sample_counts(model: MedusaModel, n: int, seed: int = 0, **gen) -> Counter:
     torch.manual_seed(seed)
     counts = Counter()
     for _ in range(n):
-        out = model.generate(PROMPT, max_new_tokens=NEW, do_sample=True, eos_token_id=None, **gen)
+        # one token more than scored: after the prefill token the remaining budget of 3 lets the step use
+        # the tree's depth 2 (a depth-2 path accepted, rejected at depth 2, bonus after it); the first
+        # NEW tokens of an exact sampler are exactly distributed
+        out = model.generate(PROMPT, max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)[:, :-1]
         counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
     return counts
 
@@ -77,9 +80,11 @@ def _support(exact: dict) -> int:
     ({"temperature": 1.0, "top_k": 3}, "medusa"),
     ({"temperature": 1.0, "top_k": 0, "top_p": 0.8}, "medusa"),
     ({"temperature": 1.0, "top_k": 0}, "hydra"),  # path-dependent drafts
-], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra"])
+    ({"temperature": 1.0, "top_k": 0}, "hydra-dynamic"),  # a tree chosen anew every step
+], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic"])
 def test_sampling_matches_target_distribution(gen, heads):
-    model = make_model(heads)
+    dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
+    model = make_model("hydra", dynamic) if heads == "hydra-dynamic" else make_model(heads)
     exact = exact_distribution(model, **gen)
     counts = sample_counts(model, N_SAMPLES, **gen)
     tv = tv_distance(exact, counts, N_SAMPLES)
@@ -154,9 +159,9 @@ def test_sampling_uses_the_tree():
     torch.manual_seed(0)
     steps = []
     for _ in range(200):
-        model.generate(PROMPT, max_new_tokens=NEW, do_sample=True, top_k=0)
+        model.generate(PROMPT, max_new_tokens=NEW + 1, do_sample=True, top_k=0)
         steps += model.last_stats.tokens_per_step
-    assert 1 in steps and max(steps) >= 2
+    assert 1 in steps and 2 in steps and max(steps) == 3  # rejections, and whole depth-2 paths accepted
 
 
 def test_zero_probability_never_sampled():

@@ -118,3 +118,75 @@ def test_hydra_draft_tree_equals_per_node_recursion():
 
     expected = [int(ids[-1])] + [node_token(p) for p in buffers.choices]
     assert tokens.tolist() == expected
+
+
+def test_buffers_from_parents_equal_static_buffers():
+    from medusa_lite.tree import buffers_from_parents
+
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 2]]
+    static = build_buffers(choices)
+    # same nodes in the same order: root, [0], [1], [0,0], [0,1], [1,0], [0,0,2]
+    dynamic = buffers_from_parents([-1, 0, 0, 1, 1, 2, 3])
+    assert torch.equal(dynamic.depths, static.depths) and torch.equal(dynamic.ancestor_mask, static.ancestor_mask)
+    assert sorted(map(tuple, dynamic.paths.tolist())) == sorted(map(tuple, static.paths.tolist()))
+    assert dynamic.depth == 3 and dynamic.num_nodes == 7
+    with pytest.raises(ValueError, match="precede"):
+        buffers_from_parents([-1, 2, 0])
+
+
+def _hydra(num_heads=3, seed=0):
+    from conftest import tiny_model
+
+    from medusa_lite import MedusaConfig, MedusaModel
+
+    model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=num_heads, head_type="hydra"))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
+def test_dynamic_tree_is_a_valid_tree_of_the_best_paths():
+    from medusa_lite.tree import DynamicTree
+
+    model = _hydra()
+    hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
+    # topk = expand = 1: the greedy chain, i.e. the static chain tree
+    tokens, buffers = model.draft_dynamic(hidden, ids, 8, DynamicTree(nodes=3, depth=3, topk=1, expand=1))
+    assert tokens.tolist() == model.draft_tree(hidden, ids, build_buffers(chain(3))).tolist()
+    assert buffers.depths.tolist() == [0, 1, 2, 3]
+    # expanding everything at depth 2 with all nodes kept: the full static tree, as a set of paths
+    full = [[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(3)]
+    tokens, buffers = model.draft_dynamic(hidden, ids, 8, DynamicTree(nodes=12, depth=2, topk=3, expand=3))
+    static = model.draft_tree(hidden, ids, build_buffers(full))
+    assert sorted(tokens.tolist()) == sorted(static.tolist()) and buffers.num_nodes == 13
+    # a budget: N nodes, parents kept, siblings distinct, depth capped by max_depth
+    tokens, buffers = model.draft_dynamic(hidden, ids, 2, DynamicTree(nodes=7, depth=3, topk=3, expand=2))
+    assert buffers.num_nodes == 8 and buffers.depth <= 2
+    for path in buffers.paths.tolist():
+        nodes = [n for n in path if n >= 0]
+        assert all(buffers.depths[n] == d for d, n in enumerate(nodes))
+    for parent in range(8):
+        kids = [i for i in range(1, 8) if buffers.ancestor_mask[i].sum() == buffers.ancestor_mask[parent].sum() + 1
+                and buffers.ancestor_mask[i, parent]]
+        assert len({int(tokens[k]) for k in kids}) == len(kids)
+    root_only, b = model.draft_dynamic(hidden, ids, 0, DynamicTree(nodes=7, depth=3))
+    assert root_only.tolist() == [17] and b.num_nodes == 1
+
+
+def test_dynamic_tree_spec_parsing():
+    from medusa_lite import MedusaConfig
+    from medusa_lite.tree import DynamicTree, parse_tree
+
+    assert parse_tree({"dynamic": {"nodes": 8, "depth": 3}}) == DynamicTree(8, 3)
+    with pytest.raises(ValueError, match="depth 5"):
+        parse_tree({"dynamic": {"nodes": 8, "depth": 5}}, num_heads=4)
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_tree({"dynamic": {"nodes": 8, "depth": 3, "width": 2}})
+    with pytest.raises(ValueError, match="positive"):
+        parse_tree({"dynamic": {"nodes": 0, "depth": 3}})
+    with pytest.raises(ValueError, match="Hydra"):
+        MedusaConfig(tree={"dynamic": {"nodes": 8, "depth": 3}})
+    assert MedusaConfig(head_type="hydra", tree={"dynamic": {"nodes": 8, "depth": 3}}).choices == \
+        {"dynamic": {"nodes": 8, "depth": 3, "topk": 4, "expand": 4}}
