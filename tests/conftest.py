@@ -34,6 +34,15 @@ def tiny_model(arch: str = "llama", vocab: int = 128, seed: int = 0, dtype: torc
     return model.to(dtype).eval()
 
 
+def random_heads(model, std: float = 0.3, seed: int = 0):
+    """Give ``model``'s heads random weights (arbitrary proposals: acceptance is partial); returns the model."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.heads.parameters():
+            p.normal_(0, std)
+    return model
+
+
 def oracle_draft(reference: torch.Tensor, num_heads: int, topk: int, vocab: int):
     """A draft function that always proposes the reference continuation at rank 0.
 

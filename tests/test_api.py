@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import random_heads, tiny_model, tiny_tokenizer
 from transformers import MistralConfig, MistralForCausalLM, StoppingCriteria, TextIteratorStreamer, TextStreamer
 
 from medusa_lite import MedusaConfig, MedusaModel
@@ -16,10 +16,7 @@ from medusa_lite.cache import UnsupportedCacheError
 @pytest.fixture
 def model():
     m = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=4))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in m.heads.parameters():
-            p.normal_(0, 0.5)
+    random_heads(m, std=0.5, seed=0)
     return m
 
 

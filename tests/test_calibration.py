@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import random_heads
 from tiny_chat import save_tiny_target
 
 from medusa_lite import MedusaConfig, MedusaModel
@@ -81,25 +82,31 @@ def test_measure_forward_latency_restores_cache(tmp_path):
     assert set(table) == {1, 4} and all(v["median"] > 0 for v in table.values())
 
 
-def test_calibrate_cli_writes_tree_that_loads(tmp_path):
+def _calibrate_setup(tmp_path, config: MedusaConfig, questions: dict[int, str], std: float | None = 0.3):
+    """A saved tiny target, heads (random when ``std``) and Spec-Bench-style questions; returns
+    (target_dir, heads_dir, run) where ``run(*args)`` calls ``medusa-lite calibrate`` on them."""
     target_dir = save_tiny_target(tmp_path / "target")
-    target, _ = load_target(target_dir)
-    model = MedusaModel(target, MedusaConfig(num_heads=3))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
+    model = MedusaModel(load_target(target_dir)[0], config)
+    if std is not None:
+        random_heads(model, std=std, seed=0)
     heads = tmp_path / "heads"
     model.save_pretrained(heads)
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question_id": 160, "category": "writing", "turns": ["write a story"]}) + "\n"
-                         + json.dumps({"question_id": 400, "category": "qa", "turns": ["what is it"]}) + "\n")
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question_id": i, "turns": [text]}) + "\n" for i, text in questions.items()))
     sys.path.insert(0, str(ROOT))
     cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
-    report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
-                          "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8",
-                          "--latency-tokens", "1,2,4,8", "--cache-len", "32", "--repeats", "1", "--threads", "1",
-                          "--continuations", str(tmp_path / "cont.json")])
+
+    def run(*args):
+        return cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(path), "--per-task",
+                            "1", "--cache-len", "16", "--repeats", "1", "--threads", "1", *args])
+    return target_dir, heads, run
+
+
+def test_calibrate_cli_writes_tree_that_loads(tmp_path):
+    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=3),
+                                              {160: "write a story", 400: "what is it"})
+    report = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8", "--latency-tokens", "1,2,4,8",
+                 "--cache-len", "32", "--continuations", str(tmp_path / "cont.json"))
     saved = json.loads((heads / "calibration.json").read_text())
     assert saved["data"]["question_ids"] == [160, 400]
     acc = saved["accuracy"]["accuracies"]
@@ -113,15 +120,11 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     reloaded = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
     assert reloaded.config.choices == best  # used by default from now on
     # a second run reuses the cached continuations (they depend on the target only): same accuracies
-    again = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
-                         "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2",
-                         "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run",
-                         "--threads", "1", "--continuations", str(tmp_path / "cont.json")])
+    again = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2", "--latency-tokens", "1,3", "--dry-run",
+                "--continuations", str(tmp_path / "cont.json"))
     assert [row[:3] for row in again["accuracy"]["accuracies"]] == [row[:3] for row in acc]
     # a bf16 calibration adds the bf16 tree; fp32 keeps its own (sizes 1,2 cannot give the 8-node fp32 tree)
-    cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions), "--dtype", "bf16",
-                 "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2",
-                 "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--threads", "1"])
+    run("--dtype", "bf16", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2", "--latency-tokens", "1,3")
     config = json.loads((heads / "medusa_config.json").read_text())
     assert set(config["dtype_trees"]) == {"float32", "bfloat16"} and config["dtype_trees"]["float32"] == best
     assert len(config["dtype_trees"]["bfloat16"]) <= 2 and (heads / "calibration-bf16.json").is_file()
@@ -132,18 +135,10 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
 
 
 def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
-    target_dir = save_tiny_target(tmp_path / "target")
-    heads = tmp_path / "heads"
-    MedusaModel(load_target(target_dir)[0], MedusaConfig(num_heads=2)).save_pretrained(heads)
+    _, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2), {320: "summarize"}, std=None)
     before = {p.name: p.read_bytes() for p in heads.iterdir()}
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question_id": 320, "category": "summarization", "turns": ["summarize"]}) + "\n")
-    sys.path.insert(0, str(ROOT))
-    cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
-    report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
-                          "--per-task", "1", "--max-new-tokens", "8", "--topk", "2", "--sizes", "1,2",
-                          "--latency-tokens", "1,3", "--cache-len", "16", "--repeats", "1", "--dry-run",
-                          "--save-tree", str(tmp_path / "tree.json")])
+    report = run("--max-new-tokens", "8", "--topk", "2", "--sizes", "1,2", "--latency-tokens", "1,3", "--dry-run",
+                 "--save-tree", str(tmp_path / "tree.json"))
     assert report["written"] is False
     assert load_tree(tmp_path / "tree.json") == report["best"]["choices"]
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
@@ -154,10 +149,7 @@ def test_measure_head_accuracy_matches_batched_heads(tmp_path):
 
     target, _ = load_target(save_tiny_target(tmp_path / "t"))
     model = MedusaModel(target, MedusaConfig(num_heads=3))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
+    random_heads(model, std=0.3, seed=1)
     prompt = torch.tensor([1, 3, 10, 12, 4])
     ids = target.generate(prompt[None], max_new_tokens=12, do_sample=False)[0]
     got = measure_head_accuracy(model, [(ids, prompt.numel())], topk=3)
@@ -176,10 +168,7 @@ def test_hydra_ranked_proposals_match_what_decoding_drafts_on_the_true_path(tmp_
 
     target, _ = load_target(save_tiny_target(tmp_path / "t"))
     model = MedusaModel(target, MedusaConfig(num_heads=2, head_type="hydra"))
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
+    random_heads(model, std=0.3, seed=2)
     ids = target.generate(torch.tensor([[1, 3, 10, 12, 4]]), max_new_tokens=10, do_sample=False)[0]
     with torch.no_grad():
         hidden = target(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]
@@ -198,22 +187,9 @@ def test_calibrate_hydra_replays_dynamic_trees(tmp_path):
     """Hydra heads: dynamic trees are candidates, scored by replaying them on the target's continuations."""
     from medusa_lite.tree import DynamicTree, load_tree
 
-    target_dir = save_tiny_target(tmp_path / "target")
-    model = MedusaModel(load_target(target_dir)[0], MedusaConfig(num_heads=2, head_type="hydra"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
-    heads = tmp_path / "heads"
-    model.save_pretrained(heads)
-    questions = tmp_path / "q.jsonl"
-    questions.write_text(json.dumps({"question_id": 160, "category": "writing", "turns": ["write a story"]}) + "\n")
-    sys.path.insert(0, str(ROOT))
-    cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
-    report = cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(questions),
-                          "--per-task", "1", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,4",
-                          "--latency-tokens", "1,5", "--cache-len", "16", "--repeats", "1", "--threads", "1",
-                          "--stride", "1", "--dry-run", "--save-tree", str(tmp_path / "best.json")])
+    _, _, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type="hydra"), {160: "write a story"})
+    report = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,4", "--latency-tokens", "1,5", "--stride", "1",
+                 "--dry-run", "--save-tree", str(tmp_path / "best.json"))
     kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
     assert ("dynamic", 4) in kinds and ("static", 1) in kinds
     assert all(1 <= c["tokens_per_step"] <= 3 and c["draft_ms"] > 0 for c in report["candidates"])

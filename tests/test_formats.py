@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 from safetensors.torch import load_file
 
 from medusa_lite import HeadsMismatchError, MedusaConfig, MedusaModel
@@ -14,10 +14,7 @@ from medusa_lite.config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME
 
 
 def _trained(model: MedusaModel) -> MedusaModel:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.1)
+    random_heads(model, std=0.1, seed=0)
     return model
 
 

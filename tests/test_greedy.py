@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import oracle_draft, tiny_model
+from conftest import oracle_draft, random_heads, tiny_model
 
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.tree import chain
@@ -18,12 +18,7 @@ TREES = {
 
 
 def _random_heads(model: MedusaModel, seed: int = 0) -> MedusaModel:
-    """Give the heads random weights so their proposals are arbitrary (acceptance is then partial)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.5)
-    return model
+    return random_heads(model, std=0.5, seed=seed)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])

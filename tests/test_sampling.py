@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import random_heads, tiny_model
 
 import medusa_lite.generate as gen_mod
 from medusa_lite import MedusaConfig, MedusaModel
@@ -27,10 +27,7 @@ TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1]]  # depth 2: acceptance, rejection
 def make_model(head_type: str = "medusa", tree=TREE) -> MedusaModel:
     target = tiny_model("llama", vocab=VOCAB, init=0.12, layers=1, hidden=32, seed=3)
     model = MedusaModel(target, MedusaConfig(num_heads=2, tree=tree, head_type=head_type))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
+    random_heads(model, std=0.3, seed=1)
     return model
 
 

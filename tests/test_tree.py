@@ -93,17 +93,14 @@ def test_levels_give_each_depth_its_expanded_nodes_and_children():
 
 def test_hydra_draft_tree_equals_per_node_recursion():
     """Level-by-level batched Hydra drafting == drafting every node from its own path, one at a time."""
-    from conftest import tiny_model
+    from conftest import random_heads, tiny_model
 
     from medusa_lite import MedusaConfig, MedusaModel
     from medusa_lite.config import DEFAULT_TREE
 
     target = tiny_model("llama")
     model = MedusaModel(target, MedusaConfig(num_heads=4, head_type="hydra", tree=DEFAULT_TREE))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
+    random_heads(model, std=0.3, seed=0)
     buffers = build_buffers(DEFAULT_TREE)
     hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
     tokens = model.draft_tree(hidden, ids, buffers)
@@ -135,16 +132,12 @@ def test_buffers_from_parents_equal_static_buffers():
 
 
 def _hydra(num_heads=3, seed=0):
-    from conftest import tiny_model
+    from conftest import random_heads, tiny_model
 
     from medusa_lite import MedusaConfig, MedusaModel
 
-    model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=num_heads, head_type="hydra"))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.heads.parameters():
-            p.normal_(0, 0.3)
-    return model
+    return random_heads(MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=num_heads, head_type="hydra")),
+                        seed=seed)
 
 
 def test_dynamic_tree_is_a_valid_tree_of_the_best_paths():
