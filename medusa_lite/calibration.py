@@ -210,11 +210,12 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
     state at t with the true token at t + 1 as root (what decoding sees after an accepted step), and
     walked against the true continuation with :func:`medusa_lite.verify.accept`: a node is right when
     it holds the target's greedy token after its path. Returns ``{"mean_tokens": accepted + bonus per
-    step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed}``.
+    step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed, "mean_nodes":
+    tree nodes per step, root included}``.
     ``features``: the sequences' final hidden states [L, H], if already computed.
     """
     drafter = model.drafter(tree)
-    total, steps, seconds = 0, 0, 0.0
+    total, steps, seconds, nodes_total = 0, 0, 0.0, 0
     for i, (ids, start) in enumerate(sequences):
         hidden = features[i] if features is not None else final_hidden(model.base_model, ids)
         for t in range(max(start - 1, 0), ids.numel() - 2, stride):
@@ -224,8 +225,10 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
             truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
             nodes, _ = accept(tokens, truth, buffers.paths)
             total += nodes.numel()  # accepted + bonus
+            nodes_total += buffers.num_nodes
             steps += 1
-    return {"mean_tokens": total / max(steps, 1), "draft_seconds": seconds / max(steps, 1), "steps": steps}
+    return {"mean_tokens": total / max(steps, 1), "draft_seconds": seconds / max(steps, 1), "steps": steps,
+            "mean_nodes": nodes_total / max(steps, 1)}
 
 
 @torch.no_grad()

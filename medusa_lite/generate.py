@@ -19,7 +19,8 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from .cache import keep_accepted, new_cache
 from .config import text_config
 from .sampling import build_warpers, target_probs
-from .tree import TreeBuffers, attention_bias, build_buffers, truncate
+from .tree import (TreeBuffers, attention_bias, buffers_from_parents, build_buffers, lookup_continuation, merge_chain,
+                   truncate)
 from .verify import accept, greedy_choice, sample_choice
 
 # hidden [H] of the last accepted position, all tokens so far [L] (the root last), deepest allowed depth
@@ -129,6 +130,24 @@ class StaticTree:
     def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
         buffers = self.get(max_depth)
         return self.fill(hidden, ids, buffers), buffers
+
+
+class PromptLookup:
+    """A :data:`Drafter` that adds a prompt-lookup branch (:func:`medusa_lite.tree.lookup_continuation`)
+    to another drafter's tree, merged so siblings stay distinct; the tree is then rebuilt for the step."""
+
+    def __init__(self, drafter: Drafter, tokens: int, ngram: int = 3):
+        self.drafter, self.tokens, self.ngram = drafter, tokens, ngram
+
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
+        tokens, buffers = self.drafter(hidden, ids, max_depth)
+        chain = lookup_continuation(ids, self.ngram, min(self.tokens, max_depth))
+        if chain.numel() == 0:
+            return tokens, buffers
+        parents, merged = merge_chain(buffers.parents, tokens.tolist(), chain.tolist())
+        if len(parents) == len(buffers.parents):  # the heads had drafted the whole branch already
+            return tokens, buffers
+        return torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device)
 
 
 def cache_kwarg(target) -> str:

@@ -15,11 +15,11 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .generate import GenerationStats, StaticTree, context_length, speculative_generate
+from .generate import GenerationStats, PromptLookup, StaticTree, context_length, speculative_generate
 from .heads import build_heads
 from .sampling import check_supported
-from .tree import (DynamicTree, TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, load_tree, parse_tree,
-                   tree_json, tree_tokens)
+from .tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers, load_tree,
+                   parse_tree, tree_json, tree_tokens)
 
 _PROBE_ROWS = 8
 _PROBE_COLS = 8
@@ -219,10 +219,13 @@ class MedusaModel(nn.Module):
     @property
     def _topk(self) -> int:
         tree = self.choices
+        tree = tree.tree if isinstance(tree, WithLookup) else tree
         return tree.topk if isinstance(tree, DynamicTree) else max(max(p) for p in tree) + 1
 
     def drafter(self, tree: TreeSpec):
         """The per-step drafting function of ``tree`` for :func:`medusa_lite.generate.speculative_generate`."""
+        if isinstance(tree, WithLookup):
+            return PromptLookup(self.drafter(tree.tree), tree.tokens, tree.ngram)
         if isinstance(tree, DynamicTree):
             if self.config.head_type != "hydra":
                 raise ValueError("dynamic trees need Hydra heads: Medusa proposals do not depend on the path")

@@ -67,13 +67,36 @@ class DynamicTree:
         return {"dynamic": {"nodes": self.nodes, "depth": self.depth, "topk": self.topk, "expand": self.expand}}
 
 
-TreeSpec = Choices | DynamicTree
+@dataclass(frozen=True)
+class WithLookup:
+    """A tree plus a prompt-lookup branch: up to ``tokens`` tokens that followed the latest earlier
+    occurrence of the trailing n-gram (n <= ``ngram``) of the text so far, merged into the tree under
+    the root (where they agree with drafted nodes they share them). JSON form:
+    ``{"tree": <tree>, "prompt_lookup": 8}``. Heads cannot copy from the prompt; this branch can."""
+
+    tree: "Choices | DynamicTree"
+    tokens: int
+    ngram: int = 3
+
+    def to_json(self) -> dict:
+        return {"tree": tree_json(self.tree), "prompt_lookup": self.tokens, "ngram": self.ngram}
+
+
+TreeSpec = Choices | DynamicTree | WithLookup
 
 
 def parse_tree(spec, num_heads: int | None = None) -> TreeSpec:
     """A tree in JSON form -> validated choices (static) or :class:`DynamicTree`; ValueError naming the problem."""
-    if isinstance(spec, DynamicTree):
+    if isinstance(spec, (DynamicTree, WithLookup)):
         tree = spec
+    elif isinstance(spec, dict) and "prompt_lookup" in spec:
+        unknown = set(spec) - {"tree", "prompt_lookup", "ngram"}
+        if unknown or "tree" not in spec:
+            raise ValueError(f"a tree with prompt lookup is {{'tree': ..., 'prompt_lookup': N}}, got keys {sorted(spec)}")
+        tokens, ngram = spec["prompt_lookup"], spec.get("ngram", 3)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tokens, ngram)):
+            raise ValueError(f"prompt_lookup and ngram must be positive integers, got {tokens!r}, {ngram!r}")
+        return WithLookup(parse_tree(spec["tree"], num_heads), tokens, ngram)
     elif isinstance(spec, dict) and set(spec) == {"dynamic"} and isinstance(spec["dynamic"], dict):
         unknown = set(spec["dynamic"]) - {"nodes", "depth", "topk", "expand"}
         if unknown:
@@ -81,19 +104,23 @@ def parse_tree(spec, num_heads: int | None = None) -> TreeSpec:
         tree = DynamicTree(**spec["dynamic"])
     else:
         return validate_choices(spec, num_heads)
+    if isinstance(tree, WithLookup):
+        return tree
     if num_heads is not None and tree.depth > num_heads:
         raise ValueError(f"dynamic tree depth {tree.depth} needs {tree.depth} heads but the model has {num_heads}")
     return tree
 
 
 def tree_nodes(tree: TreeSpec) -> int:
-    """Nodes verified per step, root excluded (a dynamic tree's budget)."""
+    """Nodes verified per step, root excluded (at most: a dynamic tree's budget, plus the lookup branch)."""
+    if isinstance(tree, WithLookup):
+        return tree_nodes(tree.tree) + tree.tokens
     return tree.nodes if isinstance(tree, DynamicTree) else len(tree)
 
 
 def tree_json(tree: TreeSpec):
     """The JSON form of a tree (a list of paths, or ``{"dynamic": {...}}``)."""
-    return tree.to_json() if isinstance(tree, DynamicTree) else tree
+    return tree.to_json() if isinstance(tree, (DynamicTree, WithLookup)) else tree
 
 
 def chain(depth: int) -> Choices:
@@ -127,6 +154,7 @@ class TreeBuffers:
     topk: int                   # the largest rank used + 1
     depth: int                  # D
     levels: list["Level"]       # per depth d < D: which nodes expand and where their children go
+    parents: list[int]          # [N] parent node of every node, -1 for the root
 
     @property
     def num_nodes(self) -> int:
@@ -135,7 +163,7 @@ class TreeBuffers:
     def to(self, device: torch.device | str) -> "TreeBuffers":
         return TreeBuffers(self.choices, self.depths.to(device), self.draft_index.to(device),
                            self.ancestor_mask.to(device), self.paths.to(device), self.topk, self.depth,
-                           [level.to(device) for level in self.levels])
+                           [level.to(device) for level in self.levels], self.parents)
 
 
 @dataclass
@@ -203,7 +231,9 @@ def build_buffers(choices: Choices, device: torch.device | str = "cpu") -> TreeB
     for row, leaf in enumerate(leaves):
         nodes = [0] + [index[leaf[:d]] for d in range(1, len(leaf) + 1)]
         paths[row, : len(nodes)] = torch.tensor(nodes)
-    return TreeBuffers(choices, depths, draft_index, mask, paths, topk, depth, _levels(choices, index, depth)).to(device)
+    parent_of = [-1] + [index[tuple(p[:-1])] for p in choices]
+    return TreeBuffers(choices, depths, draft_index, mask, paths, topk, depth, _levels(choices, index, depth),
+                       parent_of).to(device)
 
 
 def buffers_from_parents(parents: list[int], device: torch.device | str = "cpu") -> TreeBuffers:
@@ -231,7 +261,36 @@ def buffers_from_parents(parents: list[int], device: torch.device | str = "cpu")
     for r, leaf in enumerate(leaves):
         paths[r, : len(ancestors[leaf])] = torch.tensor(ancestors[leaf])
     empty = torch.zeros(0, dtype=torch.long)
-    return TreeBuffers([], torch.tensor(depths), empty, mask, paths, 0, depth, []).to(device)
+    return TreeBuffers([], torch.tensor(depths), empty, mask, paths, 0, depth, [], list(parents)).to(device)
+
+
+def lookup_continuation(ids: torch.Tensor, ngram: int, length: int) -> torch.Tensor:
+    """Prompt lookup: ids [L] -> up to ``length`` tokens that followed the latest earlier occurrence of
+    the longest trailing n-gram (n = ``ngram`` down to 1); empty when none recurs."""
+    total = ids.numel()
+    for n in range(min(ngram, total - 1), 0, -1):
+        windows = ids[: total - 1].unfold(0, n, 1)  # [total - n, n]: every earlier n-gram
+        hits = (windows == ids[total - n:]).all(dim=-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return ids[start: start + length]
+    return ids[:0]
+
+
+def merge_chain(parents: list[int], tokens: list[int], chain: list[int]) -> tuple[list[int], list[int]]:
+    """Add ``chain`` as a path under the root (node 0), walking into existing children that hold the same
+    token, so siblings stay distinct (which the acceptance rules need). Returns new (parents, tokens)."""
+    parents, tokens = list(parents), list(tokens)
+    child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+    node = 0
+    for token in chain:
+        nxt = child.get((node, token))
+        if nxt is None:
+            parents.append(node)
+            tokens.append(token)
+            nxt = child[(node, token)] = len(parents) - 1
+        node = nxt
+    return parents, tokens
 
 
 def tree_tokens(root: torch.Tensor, draft_topk: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:

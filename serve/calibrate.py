@@ -31,7 +31,7 @@ from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choo
 from medusa_lite.config import TREE_NAME, dtype_name
 from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_target
-from medusa_lite.tree import DynamicTree, parse_tree, tree_json
+from medusa_lite.tree import DynamicTree, WithLookup, parse_tree, tree_json
 
 REPORT_NAME = "calibration.json"
 
@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-replay", dest="replay", action="store_false",
                    help="score trees by the independence formula only (faster; no dynamic trees)")
     p.add_argument("--stride", type=int, default=2, help="replay every N-th position of the continuations")
+    p.add_argument("--lookup", type=_ints, default=[4, 8], help="prompt-lookup branch lengths tried with the best trees")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
@@ -122,6 +123,14 @@ def main(argv: list[str] | None = None) -> dict:
             step = interpolate_latency(table, row["size"] + 1) + rest + r["draft_seconds"]
             row.update(tokens_per_step=r["mean_tokens"], draft_ms=r["draft_seconds"] * 1e3, step_ms=step * 1e3,
                        tokens_per_second=r["mean_tokens"] / step)
+        for base in _best_per_kind(rows):  # + a prompt-lookup branch (copies from the prompt / earlier output)
+            for tokens in args.lookup:
+                tree = WithLookup(parse_tree(base["tree"]), tokens)
+                r = replay_acceptance(model, sequences, tree, args.stride, features)
+                step = interpolate_latency(table, r["mean_nodes"]) + rest + r["draft_seconds"]  # nodes vary per step
+                rows.append({"kind": base["kind"] + "+lookup", "tree": tree.to_json(), "size": round(r["mean_nodes"] - 1),
+                             "tokens_per_step": r["mean_tokens"], "draft_ms": r["draft_seconds"] * 1e3,
+                             "step_ms": step * 1e3, "tokens_per_second": r["mean_tokens"] / step})
     best = max(rows, key=lambda r: (round(r["tokens_per_second"], 9), -r["size"]))
     for r in rows:
         mark = " <- best" if r is best else ""
@@ -165,6 +174,15 @@ def main(argv: list[str] | None = None) -> dict:
         print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
               "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
     return report
+
+
+def _best_per_kind(rows: list[dict]) -> list[dict]:
+    """The fastest replayed candidate of each kind (static, dynamic)."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if r["kind"] not in best or r["tokens_per_second"] > best[r["kind"]]["tokens_per_second"]:
+            best[r["kind"]] = r
+    return list(best.values())
 
 
 def continuations(model, tokenizer, questions, args) -> tuple[list[tuple[torch.Tensor, int]], float]:

@@ -106,7 +106,7 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
     target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=3),
                                               {160: "write a story", 400: "what is it"})
     report = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8", "--latency-tokens", "1,2,4,8",
-                 "--cache-len", "32", "--continuations", str(tmp_path / "cont.json"))
+                 "--cache-len", "32", "--lookup", "", "--continuations", str(tmp_path / "cont.json"))
     saved = json.loads((heads / "calibration.json").read_text())
     assert saved["data"]["question_ids"] == [160, 400]
     acc = saved["accuracy"]["accuracies"]
@@ -192,6 +192,7 @@ def test_calibrate_hydra_replays_dynamic_trees(tmp_path):
                  "--dry-run", "--save-tree", str(tmp_path / "best.json"))
     kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
     assert ("dynamic", 4) in kinds and ("static", 1) in kinds
+    assert {"static+lookup", "dynamic+lookup"} <= {kind for kind, _ in kinds}
     assert all(1 <= c["tokens_per_step"] <= 3 and c["draft_ms"] > 0 for c in report["candidates"])
     tree = load_tree(tmp_path / "best.json")
     assert (isinstance(tree, DynamicTree)) == (report["best"]["kind"] == "dynamic")

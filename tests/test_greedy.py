@@ -7,6 +7,7 @@ import torch
 from conftest import oracle_draft, random_heads, tiny_model
 
 from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.config import DEFAULT_TREE
 from medusa_lite.tree import chain
 
 TREES = {
@@ -41,11 +42,14 @@ def test_greedy_equals_plain(arch, tree, heads, prompt):
         assert stats.target_forwards <= 1 + 40 // 4
 
 
-HYDRA_TREES = {**TREES, "dynamic": {"dynamic": {"nodes": 12, "depth": 4, "topk": 3, "expand": 3}}}
+HYDRA_TREES = {**TREES, "dynamic": {"dynamic": {"nodes": 12, "depth": 4, "topk": 3, "expand": 3}},
+               "default+lookup": {"tree": DEFAULT_TREE, "prompt_lookup": 6},
+               "dynamic+lookup": {"tree": {"dynamic": {"nodes": 8, "depth": 4, "topk": 3, "expand": 2}},
+                                  "prompt_lookup": 8, "ngram": 2}}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("tree", ["chain", "default", "wide", "dynamic"])
+@pytest.mark.parametrize("tree", ["chain", "default", "wide", "dynamic", "default+lookup", "dynamic+lookup"])
 def test_greedy_equals_plain_hydra(arch, tree, prompt):
     """Hydra heads (path-dependent drafts, reduced draft vocabulary): still token-for-token plain decoding."""
     target = tiny_model(arch)
@@ -136,3 +140,18 @@ def test_generation_config_and_attention_mask(prompt):
     pmask = torch.cat([torch.zeros(1, 3, dtype=torch.long), mask], dim=1)
     out = model.generate(padded, attention_mask=pmask, max_new_tokens=17)
     assert torch.equal(out[:, 3:], ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_prompt_lookup_branch_is_exact_and_used(arch):
+    """A repetitive prompt: the lookup branch proposes the repeat, whole chunks are accepted, output == plain."""
+    target = tiny_model(arch)
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12] * 6])
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    model = MedusaModel(target, MedusaConfig(num_heads=2, tree={"tree": [[0]], "prompt_lookup": 8}))
+    assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False), ref)
+    plain_tree = MedusaModel(target, MedusaConfig(num_heads=2, tree=[[0]]))
+    plain_tree.generate(prompt, max_new_tokens=40, do_sample=False)
+    repeats = ref[0, 48:].tolist()[:8] == [5, 6, 7, 8, 9, 10, 11, 12]
+    if repeats:  # the target continues the pattern: lookup must pay off
+        assert model.last_stats.mean_accepted_tokens > plain_tree.last_stats.mean_accepted_tokens

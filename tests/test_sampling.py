@@ -78,10 +78,16 @@ def _support(exact: dict) -> int:
     ({"temperature": 1.0, "top_k": 0, "top_p": 0.8}, "medusa"),
     ({"temperature": 1.0, "top_k": 0}, "hydra"),  # path-dependent drafts
     ({"temperature": 1.0, "top_k": 0}, "hydra-dynamic"),  # a tree chosen anew every step
-], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic"])
+    ({"temperature": 1.0, "top_k": 0}, "lookup"),  # + a prompt-lookup branch merged into the tree
+], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup"])
 def test_sampling_matches_target_distribution(gen, heads):
     dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
-    model = make_model("hydra", dynamic) if heads == "hydra-dynamic" else make_model(heads)
+    if heads == "hydra-dynamic":
+        model = make_model("hydra", dynamic)
+    elif heads == "lookup":
+        model = make_model("medusa", {"tree": TREE, "prompt_lookup": 3, "ngram": 1})
+    else:
+        model = make_model(heads)
     exact = exact_distribution(model, **gen)
     counts = sample_counts(model, N_SAMPLES, **gen)
     tv = tv_distance(exact, counts, N_SAMPLES)

@@ -183,3 +183,23 @@ def test_dynamic_tree_spec_parsing():
         MedusaConfig(tree={"dynamic": {"nodes": 8, "depth": 3}})
     assert MedusaConfig(head_type="hydra", tree={"dynamic": {"nodes": 8, "depth": 3}}).choices == \
         {"dynamic": {"nodes": 8, "depth": 3, "topk": 4, "expand": 4}}
+
+
+def test_prompt_lookup_continuation_and_merge():
+    from medusa_lite.tree import lookup_continuation, merge_chain
+
+    ids = torch.tensor([7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2])
+    assert lookup_continuation(ids, 3, 4).tolist() == [3, 4, 5, 1]  # latest earlier "1 2" -> "3 4 5 1"
+    assert lookup_continuation(torch.tensor([5, 6, 7]), 3, 4).tolist() == []
+    assert lookup_continuation(torch.tensor([5, 6, 5]), 3, 4).tolist() == [6, 5]  # 1-gram, cut at the end
+    # tree: root(0) -> a(1)=3, b(2)=8; a -> c(3)=4. Chain 3 4 5 shares a and c, adds 5 under c.
+    parents, tokens = merge_chain([-1, 0, 0, 1], [2, 3, 8, 4], [3, 4, 5])
+    assert parents == [-1, 0, 0, 1, 3] and tokens == [2, 3, 8, 4, 5]
+    parents, tokens = merge_chain([-1, 0], [2, 3], [6, 3])  # a new branch: siblings stay distinct
+    assert parents == [-1, 0, 0, 2] and tokens == [2, 3, 6, 3]
+    from medusa_lite.tree import WithLookup, parse_tree, tree_json
+
+    spec = {"tree": [[0], [1]], "prompt_lookup": 6, "ngram": 2}
+    assert parse_tree(spec) == WithLookup([[0], [1]], 6, 2) and tree_json(parse_tree(spec)) == spec
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        parse_tree({"tree": [[0]], "prompt_lookup": 0})
