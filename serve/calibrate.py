@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-replay", dest="replay", action="store_false",
                    help="score trees by the independence formula only (faster; no dynamic trees)")
     p.add_argument("--stride", type=int, default=2, help="replay every N-th position of the continuations")
-    p.add_argument("--lookup", type=_ints, default=[4, 8], help="prompt-lookup branch lengths tried with the best trees")
+    p.add_argument("--lookup", type=_ints, default=[4, 8, 12, 16], help="prompt-lookup branch lengths tried with the best trees")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
