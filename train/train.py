@@ -740,6 +740,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stats = run(cfg, model, proj, engine, train_data, train_hidden, rt)
     if not stats["finished"]:
         log0(rt, f"stopped at step {stats['step']} of {cfg.max_steps} (max_steps_this_run); resume to finish")
+        if rt.distributed:
+            dist.destroy_process_group()
         return {"stats": stats}
     # --- save
     metrics = evaluate(cfg, model, engine, eval_data, eval_hidden, rt) if eval_data else {}
@@ -758,8 +760,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     heads_dir = save_heads(cfg, model, engine, rt, provenance)
     log0(rt, f"saved heads to {heads_dir}")
-    if rt.distributed:
+    if rt.distributed:  # leave cleanly: a process group torn down at interpreter exit can abort the rank
         dist.barrier()
+        dist.destroy_process_group()
     return {"stats": stats, "eval": metrics, "heads_dir": str(heads_dir)}
 
 
