@@ -149,8 +149,8 @@ class MedusaModel(nn.Module):
         return out, self.heads(out.hidden_states[-1], self.base_model.get_output_embeddings(), input_ids,
                                self.base_model.get_input_embeddings())
 
-    def draft_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(weight [V', H], token ids [V'] or None) of the vocabulary the heads propose from.
+    def draft_projection(self) -> torch.Tensor:
+        """Weight [V', H] of the vocabulary the heads propose from (token ids: ``heads.draft_ids``).
 
         With ``draft_vocab_size`` the rows of the shared ``lm_head`` for ``heads.draft_ids`` are sliced
         once (and again only when the target's weights move or change dtype): drafting then reads
@@ -161,25 +161,29 @@ class MedusaModel(nn.Module):
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.device,
                None if ids is None else (ids.data_ptr(), ids._version))
         if self._projection is None or self._projection[0] != key:
-            self._projection = (key, weight if ids is None else weight[ids].contiguous(), ids)
-        return self._projection[1], self._projection[2]
+            self._projection = (key, weight if ids is None else weight[ids].contiguous())
+        return self._projection[1]
+
+    def draft_logits(self, feats: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Head features -> logits over the draft vocabulary: [..., H] of head ``k``, or [K, ..., H] of
+        every head (``k=None``) -> [..., V'] / [K, ..., V'] (V' = V without a draft vocabulary)."""
+        if self.heads.lm_heads is None:
+            return torch.nn.functional.linear(feats, self.draft_projection().to(feats.dtype))
+        if k is not None:
+            return self.heads.lm_heads[k](feats)
+        return torch.stack([lm_head(f) for lm_head, f in zip(self.heads.lm_heads, feats)])
 
     def _rank(self, feats: torch.Tensor, topk: int, k: int | None = None) -> torch.Tensor:
-        """Head features [..., H] -> [..., topk] ranked token ids (head k's own lm_head when not shared)."""
-        if self.heads.lm_heads is not None:
-            return self.heads.lm_heads[k](feats).topk(topk, dim=-1).indices
-        weight, ids = self.draft_projection()
-        ranked = torch.nn.functional.linear(feats, weight).topk(topk, dim=-1).indices
+        """Head features (as :meth:`draft_logits`) -> [..., topk] ranked token ids."""
+        ranked = self.draft_logits(feats, k).topk(topk, dim=-1).indices
+        ids = getattr(self.heads, "draft_ids", None)
         return ranked if ids is None else ids[ranked]
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, topk: int | None = None) -> torch.Tensor:
         """Medusa heads: hidden [H] of the last accepted position -> [K, topk] ranked draft tokens."""
         topk = topk or self._topk
-        feats = self.heads.hidden(hidden[None, None])[:, 0, 0]  # [K, H]
-        if self.heads.lm_heads is None:
-            return self._rank(feats, topk)
-        return torch.stack([self._rank(f, topk, k) for k, f in enumerate(feats)])
+        return self._rank(self.heads.hidden(hidden[None, None])[:, 0, 0], topk)  # [K, H] -> [K, topk]
 
     @torch.no_grad()
     def draft_tree(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
@@ -207,9 +211,7 @@ class MedusaModel(nn.Module):
         decoding drafts on the path where every earlier proposal was right (calibration's accuracies).
         """
         feats = self.heads.hidden(hidden[None], ids[None], self.base_model.get_input_embeddings())[:, 0]  # [K, T, H]
-        if self.heads.lm_heads is None:
-            return self._rank(feats, topk)
-        return torch.stack([self._rank(f, topk, k) for k, f in enumerate(feats)])
+        return self._rank(feats, topk)
 
     @property
     def choices(self) -> TreeSpec:
@@ -247,7 +249,7 @@ class MedusaModel(nn.Module):
         if depth < 1:
             return root, build_buffers([], root.device)
         embed = self.base_model.get_input_embeddings()
-        weight, vocab_ids = self.draft_projection()
+        vocab_ids = getattr(self.heads, "draft_ids", None)
         state, tokens = hidden[None], root                   # expanded rows: [M, H], [M]
         scores = torch.zeros(1, device=hidden.device)        # [M] path log-probability of each row
         rows = torch.zeros(1, dtype=torch.long, device=hidden.device)  # [M] node index (0 = root)
@@ -255,8 +257,7 @@ class MedusaModel(nn.Module):
         count = 1                                            # nodes so far, root included
         for d in range(depth):
             state = self.heads.step(d, state, embed(tokens))  # [M, H]
-            logits = self.heads.lm_heads[d](state) if self.heads.lm_heads is not None \
-                else torch.nn.functional.linear(state, weight)
+            logits = self.draft_logits(state, d)  # [M, V']
             logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
             child_tokens = (idx if vocab_ids is None else vocab_ids[idx]).flatten()     # [M * k]
             child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent

@@ -118,19 +118,22 @@ def main(argv: list[str] | None = None) -> dict:
         features = [final_hidden(target, ids) for ids, _ in sequences]
         base = replay_acceptance(model, sequences, current, args.stride, features)
         rest = max(overhead_per_step - base["draft_seconds"], 0.0)  # verification + bookkeeping per step
+
+        def replayed(tree, nodes: float | None = None) -> tuple[dict, float]:
+            """Measured speed of ``tree`` (forward of ``nodes`` tokens; default: as many as replayed)."""
+            r = replay_acceptance(model, sequences, tree, args.stride, features)
+            step = interpolate_latency(table, r["mean_nodes"] if nodes is None else nodes) + rest + r["draft_seconds"]
+            return {"tokens_per_step": r["mean_tokens"], "draft_ms": r["draft_seconds"] * 1e3, "step_ms": step * 1e3,
+                    "tokens_per_second": r["mean_tokens"] / step}, r["mean_nodes"]
+
         for row in rows:
-            r = replay_acceptance(model, sequences, parse_tree(row["tree"]), args.stride, features)
-            step = interpolate_latency(table, row["size"] + 1) + rest + r["draft_seconds"]
-            row.update(tokens_per_step=r["mean_tokens"], draft_ms=r["draft_seconds"] * 1e3, step_ms=step * 1e3,
-                       tokens_per_second=r["mean_tokens"] / step)
-        for base in _best_per_kind(rows):  # + a prompt-lookup branch (copies from the prompt / earlier output)
+            row.update(replayed(parse_tree(row["tree"]), row["size"] + 1)[0])
+        for best_of_kind in _best_per_kind(rows):  # + a prompt-lookup branch (copies from the prompt / earlier output)
             for tokens in args.lookup:
-                tree = WithLookup(parse_tree(base["tree"]), tokens)
-                r = replay_acceptance(model, sequences, tree, args.stride, features)
-                step = interpolate_latency(table, r["mean_nodes"]) + rest + r["draft_seconds"]  # nodes vary per step
-                rows.append({"kind": base["kind"] + "+lookup", "tree": tree.to_json(), "size": round(r["mean_nodes"] - 1),
-                             "tokens_per_step": r["mean_tokens"], "draft_ms": r["draft_seconds"] * 1e3,
-                             "step_ms": step * 1e3, "tokens_per_second": r["mean_tokens"] / step})
+                tree = WithLookup(parse_tree(best_of_kind["tree"]), tokens)
+                measured, nodes = replayed(tree)  # the branch's length varies per step
+                rows.append({"kind": best_of_kind["kind"] + "+lookup", "tree": tree.to_json(),
+                             "size": round(nodes - 1), **measured})
     best = max(rows, key=lambda r: (round(r["tokens_per_second"], 9), -r["size"]))
     for r in rows:
         mark = " <- best" if r is best else ""

@@ -558,7 +558,7 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
     count = torch.zeros(cfg.num_heads)
     lm_head = model.base_model.get_output_embeddings()
     embed = model.base_model.get_input_embeddings()
-    weight, vocab_ids = model.draft_projection()
+    vocab_ids = getattr(model.heads, "draft_ids", None)
     n = num_positions(cfg.seq_len, cfg.num_heads)
     with engine.gathered():
         for i in range(0, len(mine), cfg.micro_batch_size):
@@ -566,8 +566,7 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
                                                      mine[i: i + cfg.micro_batch_size], rt)
             with autocast(cfg, rt):
                 feats = model.heads.hidden(h.float() if cfg.precision == "fp32" else h, ids, embed)  # [K, B, T, H]
-                head_logits = feats @ weight.T.to(feats.dtype) if model.heads.lm_heads is None \
-                    else torch.stack([head(f) for head, f in zip(model.heads.lm_heads, feats)])
+                head_logits = model.draft_logits(feats)  # [K, B, T, V'] as decoding ranks them
             got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5), vocab_ids=vocab_ids)
             for k in hits:
                 hits[k] += got[k]
