@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .generate import GenerationStats, cache_kwarg, verify_forward
-from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree
+from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree, tree_json
 from .verify import accept
 
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 63)
@@ -220,7 +220,7 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
         hidden = features[i] if features is not None else final_hidden(model.base_model, ids)
         for t in range(max(start - 1, 0), ids.numel() - 2, stride):
             t0 = time.perf_counter()
-            tokens, buffers = drafter(hidden[t], ids[: t + 2], ids.numel() - t - 2)
+            tokens, buffers, _ = drafter(hidden[t], ids[: t + 2], ids.numel() - t - 2)
             seconds += time.perf_counter() - t0
             truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
             nodes, _ = accept(tokens, truth, buffers.paths)
@@ -235,3 +235,25 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
 def final_hidden(target, ids: torch.Tensor) -> torch.Tensor:
     """[L] ids -> [L, H] the target's final-norm hidden states (one forward, no cache)."""
     return target(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False).hidden_states[-1][0]
+
+
+@torch.no_grad()
+def measure_sampling(model, prompts: list[torch.Tensor], tree: TreeSpec, max_new_tokens: int, temperature: float,
+                     seed: int = 0) -> dict:
+    """Sampled generation with ``tree`` after each prompt ([L] ids), measured: tokens per step and decoding
+    speed (prefill excluded). Every tree sees the same prompts and seeds.
+
+    Sampling has no fixed continuation to replay against, and sampled drafts are accepted with probability
+    min(1, p/q), so trees for sampling are scored by running them. Returns ``{"tokens_per_step",
+    "tokens_per_second", "steps"}``.
+    """
+    tokens, steps, seconds = 0, 0, 0.0
+    for i, ids in enumerate(prompts):
+        generator = torch.Generator(device=model.device).manual_seed(seed + i)
+        model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
+                       top_p=1.0, tree=tree_json(tree), generator=generator, eos_token_id=None)
+        stats = model.last_stats
+        tokens += stats.new_tokens - 1  # the prefill's token is not the tree's
+        steps += stats.verify_steps
+        seconds += stats.wall_time - stats.prefill_time
+    return {"tokens_per_step": tokens / max(steps, 1), "tokens_per_second": tokens / max(seconds, 1e-9), "steps": steps}

@@ -32,6 +32,11 @@ def dtype_name(dtype) -> str:
     return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, name)
 
 
+def sample_key(dtype) -> str:
+    """Key of ``MedusaConfig.dtype_trees`` for the tree calibrated for sampling in ``dtype``."""
+    return f"{dtype_name(dtype)}:sample"
+
+
 def _version() -> str:
     from . import __version__
     return __version__
@@ -84,13 +89,16 @@ class MedusaConfig:
         from .tree import truncate
         return self.tree if self.tree is not None else truncate(DEFAULT_TREE, self.num_heads)
 
-    def choices_for(self, dtype) -> list[list[int]] | dict:
+    def choices_for(self, dtype, sample: bool = False) -> list[list[int]] | dict:
         """The tree calibrated for ``dtype`` (a torch dtype or its name), else :attr:`choices`.
 
         A multi-token forward costs relatively more in fp32 than in bf16 on a CPU, so each dtype
-        gets the tree that is fastest for it (``medusa-lite calibrate --dtype ...``).
+        gets the tree that is fastest for it (``medusa-lite calibrate --dtype ...``). ``sample``: the
+        tree calibrated for sampling (key ``"<dtype>:sample"``, ``calibrate --temperature``), where
+        acceptance is lower and sampled drafts favour other shapes; else the greedy one.
         """
-        return self.dtype_trees.get(dtype_name(dtype)) or self.choices
+        name = dtype_name(dtype)
+        return (sample and self.dtype_trees.get(sample_key(name))) or self.dtype_trees.get(name) or self.choices
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

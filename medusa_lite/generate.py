@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
@@ -21,11 +21,20 @@ from .config import text_config
 from .sampling import build_warpers, target_probs
 from .tree import (TreeBuffers, attention_bias, buffers_from_parents, build_buffers, lookup_continuation, merge_chain,
                    truncate)
-from .verify import accept, greedy_choice, sample_choice
+from .verify import Proposals, accept, greedy_choice, sample_choice, sample_walk
 
-# hidden [H] of the last accepted position, all tokens so far [L] (the root last), deepest allowed depth
-#   -> (node tokens [N], root first; the tree's buffers)
-Drafter = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, TreeBuffers]]
+
+
+class Draft(NamedTuple):
+    """One step's tree: node tokens [N] (root first), its buffers, and which tokens were sampled (else None)."""
+
+    tokens: torch.Tensor
+    buffers: TreeBuffers
+    proposals: Proposals | None = None
+
+
+# hidden [H] of the last accepted position, all tokens so far [L] (the root last), deepest allowed depth -> Draft
+Drafter = Callable[[torch.Tensor, torch.Tensor, int], Draft]
 
 
 @dataclass
@@ -41,6 +50,7 @@ class GenerationStats:
     accepted_per_depth: list[int] = field(default_factory=list)
     wall_time: float = 0.0
     target_time: float = 0.0  # seconds inside target forwards (prefill + verify)
+    prefill_time: float = 0.0  # seconds of the prompt's forward
     tree_nodes: int = 0
 
     @property
@@ -65,7 +75,7 @@ class GenerationStats:
             "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
             "verify_steps": self.verify_steps, "draft_tokens": self.draft_tokens, "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
-            "target_time": self.target_time, "overhead_share": self.overhead_share,
+            "target_time": self.target_time, "prefill_time": self.prefill_time, "overhead_share": self.overhead_share,
             "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes,
         }
 
@@ -110,10 +120,10 @@ class StaticTree:
     """A :data:`Drafter` over one fixed tree; buffers per depth cap are built once (near
     ``max_new_tokens`` or the context end, shallower trees).
 
-    ``fill(hidden, ids, buffers) -> [N]`` puts the heads' proposals into the tree's nodes.
+    ``fill(hidden, ids, buffers) -> ([N] tokens, proposals or None)`` puts the heads' drafts into the tree's nodes.
     """
 
-    def __init__(self, fill: Callable[[torch.Tensor, torch.Tensor, TreeBuffers], torch.Tensor],
+    def __init__(self, fill: Callable[[torch.Tensor, torch.Tensor, TreeBuffers], tuple[torch.Tensor, Proposals | None]],
                  choices: list[list[int]], device: torch.device):
         self.fill = fill
         self.choices = choices
@@ -127,9 +137,10 @@ class StaticTree:
             self._by_depth[depth] = build_buffers(truncate(self.choices, depth), self.device)
         return self._by_depth[depth]
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> Draft:
         buffers = self.get(max_depth)
-        return self.fill(hidden, ids, buffers), buffers
+        tokens, proposals = self.fill(hidden, ids, buffers)
+        return Draft(tokens, buffers, proposals)
 
 
 class PromptLookup:
@@ -139,15 +150,17 @@ class PromptLookup:
     def __init__(self, drafter: Drafter, tokens: int, ngram: int = 3):
         self.drafter, self.tokens, self.ngram = drafter, tokens, ngram
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, TreeBuffers]:
-        tokens, buffers = self.drafter(hidden, ids, max_depth)
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> Draft:
+        draft = self.drafter(hidden, ids, max_depth)
         chain = lookup_continuation(ids, self.ngram, min(self.tokens, max_depth))
         if chain.numel() == 0:
-            return tokens, buffers
-        parents, merged = merge_chain(buffers.parents, tokens.tolist(), chain.tolist())
-        if len(parents) == len(buffers.parents):  # the heads had drafted the whole branch already
-            return tokens, buffers
-        return torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device)
+            return draft
+        parents, merged = merge_chain(draft.buffers.parents, draft.tokens.tolist(), chain.tolist())
+        if len(parents) == len(draft.buffers.parents):  # the heads had drafted the whole branch already
+            return draft
+        # the added nodes come last: their proposals are one-hot (Proposals.at)
+        return Draft(torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device),
+                     draft.proposals)
 
 
 def cache_kwarg(target) -> str:
@@ -219,6 +232,7 @@ def speculative_generate(
     cache_arg = {cache_kwarg(target): cache}
 
     out = _forward(target, stats, cache_arg, input_ids=prompt[None], **_prefill_kwargs(target))
+    stats.prefill_time = stats.target_time
     root = choose(out.logits[0, -1:])[0]
     hidden = out.hidden_states[-1][0, -1]  # [H]
     cache_len = prompt.numel()
@@ -229,9 +243,17 @@ def speculative_generate(
         max_depth = stopper.remaining - 1
         if limit is not None:
             max_depth = min(max_depth, limit - cache_len - 1)
-        tokens, buffers = draft(hidden, torch.tensor(stopper.ids, device=device), max_depth)  # [N], root first
+        tokens, buffers, proposals = draft(hidden, torch.tensor(stopper.ids, device=device), max_depth)  # [N], root first
         out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len)
-        nodes, root = accept(tokens, choose(out.logits[0]), buffers.paths)  # [a+1], []
+        if config.do_sample:
+            logits = out.logits[0]  # [N, V]; only the walked nodes' rows are processed
+
+            def target_at(node: int) -> torch.Tensor:
+                return target_probs(logits[node: node + 1], warpers)[0].double()
+
+            nodes, root = sample_walk(tokens, buffers.parents, target_at, proposals, generator)  # [a+1], []
+        else:
+            nodes, root = accept(tokens, greedy_choice(out.logits[0]), buffers.paths)  # [a+1], []
         keep_accepted(cache, cache_len, nodes)
         cache_len += nodes.numel()
         hidden = out.hidden_states[-1][0, nodes[-1]]  # [H]

@@ -15,11 +15,12 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .generate import GenerationStats, PromptLookup, StaticTree, context_length, speculative_generate
+from .generate import Draft, GenerationStats, PromptLookup, StaticTree, context_length, speculative_generate
 from .heads import build_heads
-from .sampling import check_supported
+from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers, load_tree,
                    parse_tree, tree_json, tree_tokens)
+from .verify import Proposals
 
 _PROBE_ROWS = 8
 _PROBE_COLS = 8
@@ -176,14 +177,21 @@ class MedusaModel(nn.Module):
     def _rank(self, feats: torch.Tensor, topk: int, k: int | None = None) -> torch.Tensor:
         """Head features (as :meth:`draft_logits`) -> [..., topk] ranked token ids."""
         ranked = self.draft_logits(feats, k).topk(topk, dim=-1).indices
+        return self._token_ids(ranked)
+
+    def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary -> token ids."""
         ids = getattr(self.heads, "draft_ids", None)
-        return ranked if ids is None else ids[ranked]
+        return index if ids is None else ids[index]
 
     @torch.no_grad()
     def draft(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, topk: int | None = None) -> torch.Tensor:
         """Medusa heads: hidden [H] of the last accepted position -> [K, topk] ranked draft tokens."""
         topk = topk or self._topk
-        return self._rank(self.heads.hidden(hidden[None, None])[:, 0, 0], topk)  # [K, H] -> [K, topk]
+        return self._rank(self._medusa_features(hidden), topk)
+
+    def _medusa_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.heads.hidden(hidden[None, None])[:, 0, 0]  # [H] -> [K, H]
 
     @torch.no_grad()
     def draft_tree(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
@@ -192,16 +200,44 @@ class MedusaModel(nn.Module):
         Medusa heads rank once per head; Hydra heads run level by level, each expanded node's row
         reading its own path, so a node's children are proposed after that node's token.
         """
+        return self.sample_tree(hidden, ids, buffers, None)[0]
+
+    @torch.no_grad()
+    def sample_tree(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers,
+                    sampler: DraftSampler | None) -> tuple[torch.Tensor, Proposals | None]:
+        """As :meth:`draft_tree`; with a ``sampler`` each row's children are drawn from the head's processed
+        distribution (their :class:`Proposals` returned for verification) instead of its top ranks."""
+        n = buffers.num_nodes
+        row = torch.full((n,), -1, dtype=torch.long, device=ids.device)
+        rank = torch.zeros(n, dtype=torch.long, device=ids.device)
+        vocab = getattr(self.heads, "draft_ids", None)
         if self.config.head_type == "medusa":
-            return tree_tokens(ids[-1], self.draft(hidden, ids, buffers.topk), buffers)
-        tokens = ids[-1].repeat(buffers.num_nodes)  # [N], root at 0
+            if sampler is None:
+                return tree_tokens(ids[-1], self.draft(hidden, ids, buffers.topk), buffers), None
+            q, drawn = sampler(self.draft_logits(self._medusa_features(hidden)), buffers.topk)  # [K, V'], [K, k]
+            row[1:], rank[1:] = buffers.draft_index // buffers.topk, buffers.draft_index % buffers.topk
+            return tree_tokens(ids[-1], self._token_ids(drawn), buffers), Proposals(q, drawn, row, rank, vocab)
+        tokens = ids[-1].repeat(n)  # [N], root at 0
         embed = self.base_model.get_input_embeddings()
         state = hidden[None]  # [1, H]: the root's parent state is h_t
+        qs, draws, offset = [], [], 0
         for d, level in enumerate(buffers.levels):
             state = self.heads.step(d, state[level.parent_row], embed(tokens[level.expand]))  # [M, H]
-            ranked = self._rank(state, level.topk, d)  # [M, topk]
+            if sampler is None:
+                ranked = self._rank(state, level.topk, d)  # [M, topk]
+            else:
+                q, drawn = sampler(self.draft_logits(state, d), level.topk)  # [M, V'], [M, topk]
+                ranked = self._token_ids(drawn)
+                row[level.children], rank[level.children] = offset + level.child_row, level.child_rank
+                qs.append(q)
+                draws.append(drawn)
+                offset += q.shape[0]
             tokens[level.children] = ranked[level.child_row, level.child_rank]
-        return tokens
+        if sampler is None or not qs:
+            return tokens, None
+        width = max(t.shape[1] for t in draws)
+        drawn = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in draws])
+        return tokens, Proposals(torch.cat(qs), drawn, row, rank, vocab)
 
     @torch.no_grad()
     def ranked_proposals(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
@@ -215,8 +251,12 @@ class MedusaModel(nn.Module):
 
     @property
     def choices(self) -> TreeSpec:
-        """The tree ``generate`` uses by default: calibrated for the target's dtype when available."""
-        return parse_tree(self.config.choices_for(self.dtype), self.config.num_heads)
+        """The tree greedy ``generate`` uses by default: calibrated for the target's dtype when available."""
+        return self.tree_for(sample=False)
+
+    def tree_for(self, sample: bool) -> TreeSpec:
+        """The default tree for greedy decoding or for sampling (calibrated per dtype, see ``choices_for``)."""
+        return parse_tree(self.config.choices_for(self.dtype, sample), self.config.num_heads)
 
     @property
     def _topk(self) -> int:
@@ -224,19 +264,22 @@ class MedusaModel(nn.Module):
         tree = tree.tree if isinstance(tree, WithLookup) else tree
         return tree.topk if isinstance(tree, DynamicTree) else max(max(p) for p in tree) + 1
 
-    def drafter(self, tree: TreeSpec):
-        """The per-step drafting function of ``tree`` for :func:`medusa_lite.generate.speculative_generate`."""
+    def drafter(self, tree: TreeSpec, sampler: DraftSampler | None = None):
+        """The per-step drafting function of ``tree`` for :func:`medusa_lite.generate.speculative_generate`.
+
+        ``sampler`` (sampling mode): static trees draw their tokens from the heads' distributions;
+        dynamic trees and prompt-lookup tokens stay deterministic (one-hot proposals)."""
         if isinstance(tree, WithLookup):
-            return PromptLookup(self.drafter(tree.tree), tree.tokens, tree.ngram)
+            return PromptLookup(self.drafter(tree.tree, sampler), tree.tokens, tree.ngram)
         if isinstance(tree, DynamicTree):
             if self.config.head_type != "hydra":
                 raise ValueError("dynamic trees need Hydra heads: Medusa proposals do not depend on the path")
             return functools.partial(self.draft_dynamic, tree=tree)
-        return StaticTree(self.draft_tree, tree, self.heads_device)
+        return StaticTree(functools.partial(self.sample_tree, sampler=sampler), tree, self.heads_device)
 
     @torch.no_grad()
     def draft_dynamic(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int,
-                      tree: DynamicTree) -> tuple[torch.Tensor, TreeBuffers]:
+                      tree: DynamicTree) -> Draft:
         """Hydra heads grow a tree for this step (EAGLE-2): (node tokens [N], root first; its buffers).
 
         Level d expands the ``tree.expand`` best nodes of depth d (root: d = 0) into their ``tree.topk``
@@ -247,7 +290,7 @@ class MedusaModel(nn.Module):
         depth = min(tree.depth, max_depth)
         root = ids[-1:]
         if depth < 1:
-            return root, build_buffers([], root.device)
+            return Draft(root, build_buffers([], root.device))
         embed = self.base_model.get_input_embeddings()
         vocab_ids = getattr(self.heads, "draft_ids", None)
         state, tokens = hidden[None], root                   # expanded rows: [M, H], [M]
@@ -275,7 +318,7 @@ class MedusaModel(nn.Module):
         node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}  # candidate c is node index c + 1 overall
         parents = [-1] + [node_of[cand_parents[c]] for c in keep]
         out = torch.cat([root, cand_tokens[torch.tensor(keep, device=root.device)]])
-        return out, buffers_from_parents(parents, root.device)
+        return Draft(out, buffers_from_parents(parents, root.device))
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -290,6 +333,7 @@ class MedusaModel(nn.Module):
         tokenizer=None,
         tree: list[list[int]] | None = None,
         generator: torch.Generator | None = None,
+        sampled_drafts: bool = True,
         **kwargs,
     ) -> torch.Tensor:
         """Speculative ``generate`` with transformers' arguments; returns [1, prompt + new] token ids.
@@ -299,6 +343,8 @@ class MedusaModel(nn.Module):
         Supported: batch size 1, greedy or sampling with temperature / top_k / top_p / min_p,
         ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
         ``stopping_criteria``, streamers. Anything else raises ``ValueError``.
+        When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
+        accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
         """
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
         unused.pop("use_cache", None)
@@ -319,7 +365,9 @@ class MedusaModel(nn.Module):
             if tokenizer is None:
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
-        drafter = self.drafter(parse_tree(tree, self.config.num_heads) if tree is not None else self.choices)
+        sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
+        tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
+        drafter = self.drafter(tree, sampler)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:

@@ -62,3 +62,27 @@ def target_probs(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Te
     dummy_ids = torch.zeros(scores.shape[0], 1, dtype=torch.long, device=scores.device)
     scores = warpers(dummy_ids, scores)
     return torch.softmax(scores, dim=-1)
+
+
+class DraftSampler:
+    """Sampling mode's drafting: each head row's tokens are *drawn* from the head's distribution, processed
+    by the same warpers as the target's, instead of taken as its top ranks.
+
+    Verified with :func:`medusa_lite.verify.sample_walk`, a drawn token is accepted with probability
+    min(1, p/q) instead of p: where the target is unsure (T = 1), drawing from a head that matches its
+    distribution accepts far more often than proposing the head's most likely tokens.
+    """
+
+    def __init__(self, warpers: LogitsProcessorList, generator: torch.Generator | None = None):
+        self.warpers, self.generator = warpers, generator
+
+    def __call__(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [M, V'] head logits -> (q [M, V'] float32 proposal, drawn [M, k] indices into V').
+
+        ``k`` draws per row without replacement (``torch.multinomial`` draws them one after another,
+        each proportional to the remaining mass). A floor of 1e-9 keeps every token drawable so rows
+        with fewer than ``k`` tokens left after top-k / top-p still yield k draws; q includes it.
+        """
+        q = target_probs(logits, self.warpers) + 1e-9  # [M, V']
+        q = q / q.sum(dim=-1, keepdim=True)
+        return q, torch.multinomial(q, k, replacement=False, generator=self.generator)

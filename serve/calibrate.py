@@ -2,6 +2,7 @@
 
     medusa-lite calibrate --heads DIR                  # measure, choose, write DIR/tree.json + medusa_config.json
     medusa-lite calibrate --heads DIR --dry-run        # measure and report only
+    medusa-lite calibrate --heads DIR --temperature 1  # the tree for sampling (stored next to the greedy one)
 
 Stages: (1) the target's own greedy continuations of held-out prompts (by default the *last*
 ``--per-task`` Spec-Bench questions of each task, so a ``bench --limit N`` run with small N never sees
@@ -12,6 +13,12 @@ formula, and for Hydra heads dynamic trees of the same sizes; each is replayed o
 (drafted as in decoding, walked against the target's tokens, drafting timed) and the one with the
 best measured tokens per step / (forward latency + overhead) wins. The heads directory then decodes with
 that tree by default; ``calibration.json`` there records every measurement.
+
+With ``--temperature T`` the tree for sampling is chosen instead: sampled drafts are accepted with
+probability min(1, p/q), so there is no fixed continuation to replay; the formula's best static trees
+of ``--sample-sizes`` nodes, each with the prompt-lookup branches of ``--sample-lookup``, and the
+greedy tree are each run (sampled generation after the held-out prompts, same seeds) and the fastest
+measured decoding wins. It is stored as the dtype's sampling tree (``dtype_trees["<dtype>:sample"]``).
 """
 
 from __future__ import annotations
@@ -27,11 +34,11 @@ import torch
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, final_hidden,
                                      interpolate_latency, measure_forward_latency, measure_head_accuracy,
-                                     monotone_latency, replay_acceptance)
-from medusa_lite.config import TREE_NAME, dtype_name
+                                     measure_sampling, monotone_latency, replay_acceptance)
+from medusa_lite.config import TREE_NAME, dtype_name, sample_key
 from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
 from medusa_lite.targets import PRETRAINED_DIR, load_target
-from medusa_lite.tree import DynamicTree, WithLookup, parse_tree, tree_json
+from medusa_lite.tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json, tree_nodes
 
 REPORT_NAME = "calibration.json"
 
@@ -65,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="score trees by the independence formula only (faster; no dynamic trees)")
     p.add_argument("--stride", type=int, default=2, help="replay every N-th position of the continuations")
     p.add_argument("--lookup", type=_ints, default=[4, 8, 12, 16], help="prompt-lookup branch lengths tried with the best trees")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: the greedy tree (default); > 0: the tree for sampling at this temperature")
+    p.add_argument("--sample-sizes", type=_ints, default=[4, 8, 12], help="tree sizes run when --temperature > 0")
+    p.add_argument("--sample-lookup", type=_ints, default=[0, 4], help="prompt-lookup lengths (0: none) run then")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
@@ -93,9 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"overhead outside target forwards {overhead_per_step * 1e3:.1f} ms/step")
 
     # (2) per-head accuracy, (3) latency vs tree tokens
-    current = model.choices
-    topk = args.topk
-    accuracy = measure_head_accuracy(model, sequences, topk=topk)
+    current = model.tree_for(sample=args.temperature > 0)
+    accuracy = measure_head_accuracy(model, sequences, topk=args.topk)
     acc = accuracy["accuracies"]
     for k, row in enumerate(acc):
         print(f"head {k}: top-1 {row[0]:.3f}  top-{len(row)} {sum(row):.3f}")
@@ -105,8 +115,80 @@ def main(argv: list[str] | None = None) -> dict:
     print("forward latency (ms) by tree tokens: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in table.items()))
     plain = 1.0 / table[min(table)]  # plain decoding: one token per single-token forward, no drafting
 
-    # (4) choose: the formula's best static tree of every size (+ dynamic trees for Hydra heads), each
-    #     replayed on the continuations (measured tokens/step and drafting time) unless --no-replay
+    # (4) choose: greedy, the formula's best trees replayed on the continuations; sampling, trees run
+    if args.temperature > 0:
+        rows = sampling_candidates(model, sequences, acc, current, args)
+    else:
+        rows = greedy_candidates(model, sequences, acc, table, overhead_per_step, current, args)
+    best = max(rows, key=lambda r: (round(r["tokens_per_second"], 9), -r["size"]))
+    for r in rows:
+        mark = " <- best" if r is best else ""
+        formula_note = f" (formula {r['expected_length']:.2f})" if "expected_length" in r else ""
+        print(f"{r['kind']:7s} {r['size']:3d} nodes: {r['tokens_per_step']:.2f} tokens/step{formula_note}, "
+              f"{r['step_ms']:.1f} ms/step, {r['tokens_per_second']:.1f} tokens/s{mark}")
+
+    # save
+    sampling = args.temperature > 0
+    report = {
+        "heads": str(heads_dir), "target": args.target or "SmolLM2-135M-Instruct", "dtype": args.dtype,
+        "decoding": f"sampling T={args.temperature}" if sampling else "greedy",
+        "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "data": {"questions": str(args.questions), "question_ids": [q.question_id for q in questions],
+                 "max_new_tokens": args.max_new_tokens, "continuations_cache": args.continuations},
+        "accuracy": accuracy, "overhead_per_step": overhead_per_step, "cache_len": args.cache_len,
+        "latency": {str(n): v for n, v in latency.items()},
+        "latency_used": {str(n): v for n, v in table.items()},  # medians, made non-decreasing in n
+        "plain_tokens_per_second_estimate": plain,
+        "replay": {"enabled": args.replay, "stride": args.stride},
+        "candidates": rows,
+        "previous_tree": {"choices": tree_json(current)},
+        "best": {"kind": best["kind"], "size": best["size"], "tokens_per_step": best["tokens_per_step"],
+                 "estimated_tokens_per_second": best["tokens_per_second"], "choices": best["tree"]},
+        "written": not args.dry_run,
+    }
+    if not args.dry_run:
+        write_tree(heads_dir, best["tree"], report, sampling)
+    if args.save_tree:
+        Path(args.save_tree).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_tree).write_text(json.dumps({"choices": best["tree"]}) + "\n")
+        print(f"wrote {args.save_tree}")
+    name = REPORT_NAME if args.dtype == "fp32" else f"calibration-{args.dtype}.json"
+    out = Path(args.out) if args.out else heads_dir / (name.replace(".json", "-sampling.json") if sampling else name)
+    if args.out or not args.dry_run:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {out}")
+    print(f"best tree: {best['kind']}, {best['size']} nodes, {best['tokens_per_step']:.2f} tokens/step, "
+          f"~{best['tokens_per_second']:.1f} tokens/s (plain decoding ~{plain:.1f} tokens/s)"
+          f"{' (dry run: not written)' if args.dry_run else ''}")
+    if best["tokens_per_second"] < plain:
+        print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
+              "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
+    return report
+
+
+def sampling_candidates(model, sequences, acc, current, args) -> list[dict]:
+    """Trees for sampling, each run on the held-out prompts (:func:`medusa_lite.calibration.measure_sampling`)."""
+    prompts = [ids[:start] for ids, start in sequences]
+    trees = [("current", current)]
+    for size in args.sample_sizes:
+        for tokens in args.sample_lookup:
+            static = grow_tree(acc, size)
+            trees.append(("static+lookup" if tokens else "static", WithLookup(static, tokens) if tokens else static))
+    rows = []
+    for kind, tree in trees:
+        r = measure_sampling(model, prompts, tree, args.max_new_tokens, args.temperature, args.seed)
+        rows.append({"kind": kind, "tree": tree_json(tree), "size": tree_nodes(tree), "tokens_per_step": r["tokens_per_step"],
+                     "step_ms": 1e3 * r["tokens_per_step"] / r["tokens_per_second"],
+                     "tokens_per_second": r["tokens_per_second"]})
+    return rows
+
+
+def greedy_candidates(model, sequences, acc, table, overhead_per_step, current, args) -> list[dict]:
+    """The formula's best static tree of every size (+ dynamic trees for Hydra heads), each replayed on the
+    continuations (measured tokens/step and drafting time) unless ``--no-replay``, + prompt-lookup branches."""
+    target = model.base_model
     _, formula = choose_tree(acc, table, args.sizes, overhead=overhead_per_step)
     rows = [{"kind": "static", "tree": c.choices, "size": c.size, "expected_length": c.expected_length,
              "tokens_per_step": c.expected_length, "step_ms": c.latency * 1e3, "tokens_per_second": c.tokens_per_second}
@@ -134,49 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
                 measured, nodes = replayed(tree)  # the branch's length varies per step
                 rows.append({"kind": best_of_kind["kind"] + "+lookup", "tree": tree.to_json(),
                              "size": round(nodes - 1), **measured})
-    best = max(rows, key=lambda r: (round(r["tokens_per_second"], 9), -r["size"]))
-    for r in rows:
-        mark = " <- best" if r is best else ""
-        formula_note = f" (formula {r['expected_length']:.2f})" if "expected_length" in r else ""
-        print(f"{r['kind']:7s} {r['size']:3d} nodes: {r['tokens_per_step']:.2f} tokens/step{formula_note}, "
-              f"{r['step_ms']:.1f} ms/step, {r['tokens_per_second']:.1f} tokens/s{mark}")
-
-    # save
-    report = {
-        "heads": str(heads_dir), "target": args.target or "SmolLM2-135M-Instruct", "dtype": args.dtype,
-        "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {platform.processor()}".strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "data": {"questions": str(args.questions), "question_ids": [q.question_id for q in questions],
-                 "max_new_tokens": args.max_new_tokens, "continuations_cache": args.continuations},
-        "accuracy": accuracy, "overhead_per_step": overhead_per_step, "cache_len": args.cache_len,
-        "latency": {str(n): v for n, v in latency.items()},
-        "latency_used": {str(n): v for n, v in table.items()},  # medians, made non-decreasing in n
-        "plain_tokens_per_second_estimate": plain,
-        "replay": {"enabled": args.replay, "stride": args.stride},
-        "candidates": rows,
-        "previous_tree": {"choices": tree_json(current)},
-        "best": {"kind": best["kind"], "size": best["size"], "tokens_per_step": best["tokens_per_step"],
-                 "estimated_tokens_per_second": best["tokens_per_second"], "choices": best["tree"]},
-        "written": not args.dry_run,
-    }
-    if not args.dry_run:
-        write_tree(heads_dir, best["tree"], report)
-    if args.save_tree:
-        Path(args.save_tree).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_tree).write_text(json.dumps({"choices": best["tree"]}) + "\n")
-        print(f"wrote {args.save_tree}")
-    out = Path(args.out) if args.out else heads_dir / (REPORT_NAME if args.dtype == "fp32" else f"calibration-{args.dtype}.json")
-    if args.out or not args.dry_run:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"wrote {out}")
-    print(f"best tree: {best['kind']}, {best['size']} nodes, {best['tokens_per_step']:.2f} tokens/step, "
-          f"~{best['tokens_per_second']:.1f} tokens/s (plain decoding ~{plain:.1f} tokens/s)"
-          f"{' (dry run: not written)' if args.dry_run else ''}")
-    if best["tokens_per_second"] < plain:
-        print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
-              "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
-    return report
+    return rows
 
 
 def _best_per_kind(rows: list[dict]) -> list[dict]:
@@ -218,11 +258,12 @@ def continuations(model, tokenizer, questions, args) -> tuple[list[tuple[torch.T
     return sequences, overhead / max(steps, 1)
 
 
-def write_tree(heads_dir: Path, choices: list[list[int]], report: dict) -> None:
-    """Make ``choices`` the heads' tree for the calibrated dtype (``dtype_trees``; fp32's is also the
-    default ``tree`` for dtypes never calibrated), in ``medusa_config.json`` and ``tree.json``."""
+def write_tree(heads_dir: Path, choices: list[list[int]], report: dict, sampling: bool = False) -> None:
+    """Make ``choices`` the heads' tree for the calibrated dtype (``dtype_trees``; fp32's greedy tree is also
+    the default ``tree`` for dtypes never calibrated), in ``medusa_config.json`` and ``tree.json``.
+    ``sampling``: the dtype's tree for sampling (key ``"<dtype>:sample"``)."""
     config = MedusaConfig.load(heads_dir)
-    dtype = dtype_name(report["dtype"])
+    dtype = sample_key(report["dtype"]) if sampling else dtype_name(report["dtype"])
     config.dtype_trees[dtype] = choices
     if dtype == "float32" or config.tree is None:
         config.tree = choices

@@ -16,7 +16,7 @@ from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_forward_latency, monotone_latency,
                                      score_trees, topk_hits)
 from medusa_lite.targets import load_target
-from medusa_lite.tree import expected_length, grow_tree, load_tree
+from medusa_lite.tree import expected_length, grow_tree, load_tree, tree_json
 
 ROOT = Path(__file__).resolve().parents[1]
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
@@ -196,3 +196,21 @@ def test_calibrate_hydra_replays_dynamic_trees(tmp_path):
     assert all(1 <= c["tokens_per_step"] <= 3 and c["draft_ms"] > 0 for c in report["candidates"])
     tree = load_tree(tmp_path / "best.json")
     assert (isinstance(tree, DynamicTree)) == (report["best"]["kind"] == "dynamic")
+
+
+def test_calibrate_sampling_tree_is_stored_next_to_the_greedy_one(tmp_path):
+    """``--temperature``: candidate trees are run with sampling; the winner becomes the dtype's sampling tree,
+    which sampled ``generate`` uses while greedy keeps its own."""
+    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type="hydra", tree=[[0]]),
+                                              {160: "write a story", 400: "what is it"})
+    report = run("--temperature", "1.0", "--max-new-tokens", "12", "--topk", "3", "--latency-tokens", "1,3",
+                 "--sample-sizes", "2,4", "--sample-lookup", "0,3")
+    assert report["decoding"] == "sampling T=1.0" and (heads / "calibration-sampling.json").is_file()
+    kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
+    assert kinds == [("current", 1), ("static", 2), ("static+lookup", 5), ("static", 4), ("static+lookup", 7)]
+    assert all(1 <= c["tokens_per_step"] <= 3 and c["tokens_per_second"] > 0 for c in report["candidates"])
+    config = json.loads((heads / "medusa_config.json").read_text())
+    assert config["tree"] == [[0]] and config["dtype_trees"] == {"float32:sample": report["best"]["choices"]}
+    model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
+    assert model.choices == [[0]] and tree_json(model.tree_for(sample=True)) == report["best"]["choices"]
+    assert tree_json(MedusaModel.from_pretrained(load_target(target_dir, dtype="bf16")[0], heads).tree_for(True)) == [[0]]

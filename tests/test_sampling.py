@@ -99,49 +99,42 @@ def test_sampling_matches_target_distribution(gen, heads):
 
 
 # ---------------------------------------------------------------- deliberately wrong rules
-def _wrong_rule(kind: str):
-    """An acceptance walk with a classic bug, run on the same probabilities the real rule sees."""
-    last_probs = {}
-    real_sample = gen_mod.sample_choice
+def _wrong_walk(kind: str):
+    """A sampling walk with a classic bug, on the same tree, probabilities and proposals the real one sees."""
 
-    def recording_sample(probs, generator=None):
-        last_probs["p"] = probs
-        return real_sample(probs, generator)
-
-    def wrong_accept(tokens, choice, paths):
-        probs = last_probs["p"]  # [N, V]
+    def walk(tokens, parents, target, proposals=None, generator=None):
         children = {}
-        for path in paths.tolist():
-            for parent, child in zip(path, path[1:]):
-                if child >= 0:
-                    children.setdefault(parent, [])
-                    if child not in children[parent]:
-                        children[parent].append(child)
+        for node, parent in enumerate(parents[1:], start=1):
+            children.setdefault(parent, []).append(node)
         node, nodes = 0, [0]
         while True:
-            kids = children.get(node, [])
-            p = probs[node].double()
+            kids, r = children.get(node, []), target(node)
             if kind == "no_coin" and kids:  # accept the first child whenever it is possible at all
-                if p[tokens[kids[0]]] > 0:
+                if r[tokens[kids[0]]] > 0:
                     node = kids[0]; nodes.append(node); continue
-                return torch.tensor(nodes), torch.multinomial(p, 1)[0]
-            # "residual": accept child c with prob p(c) but on rejection draw from p, not p without c
+                return torch.tensor(nodes), torch.multinomial(r, 1)[0]
             for c in kids:
-                if torch.rand(()) < p[tokens[c]]:
+                x = int(tokens[c])
+                q = proposals.at(c, r.numel()) if proposals is not None else None
+                # "residual": on rejection draw from p, not from p without the rejected token
+                # "ratio": a drawn token accepted with probability min(1, p(x) / q(x)), but on rejection only
+                #   x is removed from p (the residual must be max(p - q, 0))
+                qx = 1.0 if q is None or kind != "ratio" else float(q[x])
+                if torch.rand(()) * qx < r[x]:
                     node = c; nodes.append(c); break
+                if kind == "ratio":
+                    r = r.clone(); r[x] = 0; r = r / r.sum()
             else:
-                return torch.tensor(nodes), torch.multinomial(p, 1)[0]
+                return torch.tensor(nodes), torch.multinomial(r, 1)[0]
 
-    return recording_sample, wrong_accept
+    return walk
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["no_coin", "residual"])
+@pytest.mark.parametrize("kind", ["no_coin", "residual", "ratio"])
 def test_harness_rejects_wrong_rule(kind, monkeypatch):
     model = make_model()
-    sample, accept = _wrong_rule(kind)
-    monkeypatch.setattr(gen_mod, "sample_choice", sample)
-    monkeypatch.setattr(gen_mod, "accept", accept)
+    monkeypatch.setattr(gen_mod, "sample_walk", _wrong_walk(kind))
     n = 6000
     exact = exact_distribution(model, temperature=1.0, top_k=0)
     counts = sample_counts(model, n, temperature=1.0, top_k=0)
@@ -172,3 +165,24 @@ def test_zero_probability_never_sampled():
     for _ in range(200):
         draws = gen_mod.sample_choice(probs)
         assert probs[torch.arange(3), draws].gt(0).all()
+
+
+def test_sample_walk_mixed_proposals_give_the_target_distribution():
+    """One node, three children: two drawn from q without replacement, one deterministic (a lookup token).
+    The token that follows the root (accepted child or bonus) must have the target's distribution r."""
+    from medusa_lite.verify import Proposals, sample_walk
+
+    gen = torch.Generator().manual_seed(0)
+    r = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.0, 0.30], dtype=torch.float64)
+    q = torch.tensor([[0.40, 0.05, 0.30, 0.05, 0.15, 0.05]])  # far from r: many rejections
+    parents, n = [-1, 0, 0, 0], 30_000
+    counts = torch.zeros(6)
+    for _ in range(n):
+        drawn = torch.multinomial(q, 2, replacement=False, generator=gen)  # [1, 2]
+        tokens = torch.tensor([0, *drawn[0].tolist(), 3])  # the deterministic child may repeat a drawn one
+        props = Proposals(q, drawn, row=torch.tensor([-1, 0, 0, -1]), rank=torch.tensor([0, 0, 1, 0]))
+        nodes, bonus = sample_walk(tokens, parents, lambda node: r, props, gen)
+        counts[int(tokens[nodes[1]]) if nodes.numel() > 1 else int(bonus)] += 1
+    tv = 0.5 * float((counts / n - r.float()).abs().sum())
+    assert tv < tv_bound(5, n), f"TV {tv:.4f}"
+    assert counts[4] == 0  # a token the target never draws is never accepted, even when proposed
