@@ -98,7 +98,10 @@ class MedusaConfig:
         acceptance is lower and sampled drafts favour other shapes; else the greedy one.
         """
         name = dtype_name(dtype)
-        return (sample and self.dtype_trees.get(sample_key(name))) or self.dtype_trees.get(name) or self.choices
+        for key in ([sample_key(name)] if sample else []) + [name]:
+            if key in self.dtype_trees:  # may be [] (the root alone: no speculation pays)
+                return self.dtype_trees[key]
+        return self.choices
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -262,7 +262,7 @@ class MedusaModel(nn.Module):
     def _topk(self) -> int:
         tree = self.choices
         tree = tree.tree if isinstance(tree, WithLookup) else tree
-        return tree.topk if isinstance(tree, DynamicTree) else max(max(p) for p in tree) + 1
+        return tree.topk if isinstance(tree, DynamicTree) else max((max(p) for p in tree), default=0) + 1
 
     def drafter(self, tree: TreeSpec, sampler: DraftSampler | None = None):
         """The per-step drafting function of ``tree`` for :func:`medusa_lite.generate.speculative_generate`.

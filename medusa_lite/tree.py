@@ -20,10 +20,13 @@ Choices = list[list[int]]
 def validate_choices(choices: Choices, num_heads: int | None = None) -> Choices:
     """Sort ``choices`` by (depth, ranks) and check that every node's parent is in the tree.
 
-    Raises ``ValueError`` naming the offending path.
+    ``[]`` is the root alone (plain decoding in the speculative loop: what calibration stores when no
+    tree pays). Raises ``ValueError`` naming the offending path.
     """
-    if not isinstance(choices, (list, tuple)) or not choices:
-        raise ValueError("a tree must be a non-empty list of paths such as [[0], [0, 0], [1]]")
+    if not isinstance(choices, (list, tuple)):
+        raise ValueError("a tree must be a list of paths such as [[0], [0, 0], [1]]")
+    if not choices:
+        return []
     paths = []
     for path in choices:
         if (not isinstance(path, (list, tuple)) or not path

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
         model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))
         model.config.dtype_trees = {}
-    choices = model.choices
+    choices = model.tree_for(sample=args.temperature > 0)
     questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
     if not questions:
         raise SystemExit(f"no questions for tasks {args.tasks} in {args.questions}")

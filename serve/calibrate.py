@@ -16,8 +16,8 @@ that tree by default; ``calibration.json`` there records every measurement.
 
 With ``--temperature T`` the tree for sampling is chosen instead: sampled drafts are accepted with
 probability min(1, p/q), so there is no fixed continuation to replay; the formula's best static trees
-of ``--sample-sizes`` nodes, each with the prompt-lookup branches of ``--sample-lookup``, and the
-greedy tree are each run (sampled generation after the held-out prompts, same seeds) and the fastest
+of ``--sample-sizes`` nodes, each with the prompt-lookup branches of ``--sample-lookup``, the current
+sampling tree and no tree at all (the root alone: plain decoding, when nothing pays) are each run (sampled generation after the held-out prompts, same seeds) and the fastest
 measured decoding wins. It is stored as the dtype's sampling tree (``dtype_trees["<dtype>:sample"]``).
 """
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
 def sampling_candidates(model, sequences, acc, current, args) -> list[dict]:
     """Trees for sampling, each run on the held-out prompts (:func:`medusa_lite.calibration.measure_sampling`)."""
     prompts = [ids[:start] for ids, start in sequences]
-    trees = [("current", current)]
+    trees = [("current", current), ("none", [])]  # none: the root alone, i.e. plain decoding in this loop
     for size in args.sample_sizes:
         for tokens in args.sample_lookup:
             static = grow_tree(acc, size)

@@ -207,7 +207,8 @@ def test_calibrate_sampling_tree_is_stored_next_to_the_greedy_one(tmp_path):
                  "--sample-sizes", "2,4", "--sample-lookup", "0,3")
     assert report["decoding"] == "sampling T=1.0" and (heads / "calibration-sampling.json").is_file()
     kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
-    assert kinds == [("current", 1), ("static", 2), ("static+lookup", 5), ("static", 4), ("static+lookup", 7)]
+    assert kinds == [("current", 1), ("none", 0), ("static", 2), ("static+lookup", 5), ("static", 4),
+                     ("static+lookup", 7)]
     assert all(1 <= c["tokens_per_step"] <= 3 and c["tokens_per_second"] > 0 for c in report["candidates"])
     config = json.loads((heads / "medusa_config.json").read_text())
     assert config["tree"] == [[0]] and config["dtype_trees"] == {"float32:sample": report["best"]["choices"]}

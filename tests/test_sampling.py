@@ -79,7 +79,8 @@ def _support(exact: dict) -> int:
     ({"temperature": 1.0, "top_k": 0}, "hydra"),  # path-dependent drafts
     ({"temperature": 1.0, "top_k": 0}, "hydra-dynamic"),  # a tree chosen anew every step
     ({"temperature": 1.0, "top_k": 0}, "lookup"),  # + a prompt-lookup branch merged into the tree
-], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup"])
+    ({"temperature": 1.0, "top_k": 0, "sampled_drafts": False}, "hydra"),  # the heads' top ranks, one-hot proposals
+], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup", "T1-hydra-top-ranks"])
 def test_sampling_matches_target_distribution(gen, heads):
     dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
     if heads == "hydra-dynamic":

@@ -53,7 +53,7 @@ def test_accept_walk():
     assert nodes.tolist() == [0] and int(bonus) == 7
 
 
-@pytest.mark.parametrize("bad", [[], [[]], [[-1]], [[0], [0]], [[0, 0]], "x", [[0.5]]])
+@pytest.mark.parametrize("bad", [[[]], [[-1]], [[0], [0]], [[0, 0]], "x", [[0.5]]])
 def test_invalid_trees(bad):
     with pytest.raises(ValueError):
         validate_choices(bad)
