@@ -208,6 +208,8 @@ class MedusaModel(nn.Module):
         """As :meth:`draft_tree`; with a ``sampler`` each row's children are drawn from the head's processed
         distribution (their :class:`Proposals` returned for verification) instead of its top ranks."""
         n = buffers.num_nodes
+        if n == 1:  # the root alone: nothing to draft
+            return ids[-1:].clone(), None
         row = torch.full((n,), -1, dtype=torch.long, device=ids.device)
         rank = torch.zeros(n, dtype=torch.long, device=ids.device)
         vocab = getattr(self.heads, "draft_ids", None)

@@ -140,7 +140,7 @@ def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
     report = run("--max-new-tokens", "8", "--topk", "2", "--sizes", "1,2", "--latency-tokens", "1,3", "--dry-run",
                  "--save-tree", str(tmp_path / "tree.json"))
     assert report["written"] is False
-    assert load_tree(tmp_path / "tree.json") == report["best"]["choices"]
+    assert tree_json(load_tree(tmp_path / "tree.json")) == report["best"]["choices"]  # static, or with a lookup branch
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
 
 
@@ -209,7 +209,7 @@ def test_calibrate_sampling_tree_is_stored_next_to_the_greedy_one(tmp_path):
     kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
     assert kinds == [("current", 1), ("none", 0), ("static", 2), ("static+lookup", 5), ("static", 4),
                      ("static+lookup", 7)]
-    assert all(1 <= c["tokens_per_step"] <= 3 and c["tokens_per_second"] > 0 for c in report["candidates"])
+    assert all(1 <= c["tokens_per_step"] <= 4 and c["tokens_per_second"] > 0 for c in report["candidates"])  # depth <= 3
     config = json.loads((heads / "medusa_config.json").read_text())
     assert config["tree"] == [[0]] and config["dtype_trees"] == {"float32:sample": report["best"]["choices"]}
     model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
