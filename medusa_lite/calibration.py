@@ -238,22 +238,25 @@ def final_hidden(target, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure_sampling(model, prompts: list[torch.Tensor], tree: TreeSpec, max_new_tokens: int, temperature: float,
-                     seed: int = 0) -> dict:
-    """Sampled generation with ``tree`` after each prompt ([L] ids), measured: tokens per step and decoding
-    speed (prefill excluded). Every tree sees the same prompts and seeds.
+def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], max_new_tokens: int,
+                     temperature: float, seed: int = 0) -> list[dict]:
+    """Sampled generation with each of ``trees`` after each prompt ([L] ids), measured: tokens per step and
+    decoding speed (prefill excluded). Trees alternate per prompt (machine noise spreads evenly) and
+    every tree sees the same prompts and seeds.
 
     Sampling has no fixed continuation to replay against, and sampled drafts are accepted with probability
-    min(1, p/q), so trees for sampling are scored by running them. Returns ``{"tokens_per_step",
+    min(1, p/q), so trees for sampling are scored by running them. Returns, per tree, ``{"tokens_per_step",
     "tokens_per_second", "steps"}``.
     """
-    tokens, steps, seconds = 0, 0, 0.0
+    totals = [[0, 0, 0.0] for _ in trees]  # tokens, steps, seconds
     for i, ids in enumerate(prompts):
-        generator = torch.Generator(device=model.device).manual_seed(seed + i)
-        model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_k=0,
-                       top_p=1.0, tree=tree_json(tree), generator=generator, eos_token_id=None)
-        stats = model.last_stats
-        tokens += stats.new_tokens - 1  # the prefill's token is not the tree's
-        steps += stats.verify_steps
-        seconds += stats.wall_time - stats.prefill_time
-    return {"tokens_per_step": tokens / max(steps, 1), "tokens_per_second": tokens / max(seconds, 1e-9), "steps": steps}
+        for total, tree in zip(totals, trees):
+            generator = torch.Generator(device=model.device).manual_seed(seed + i)
+            model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                           top_k=0, top_p=1.0, tree=tree_json(tree), generator=generator, eos_token_id=None)
+            stats = model.last_stats
+            total[0] += stats.new_tokens - 1  # the prefill's token is not the tree's
+            total[1] += stats.verify_steps
+            total[2] += stats.wall_time - stats.prefill_time
+    return [{"tokens_per_step": tokens / max(steps, 1), "tokens_per_second": tokens / max(seconds, 1e-9),
+             "steps": steps} for tokens, steps, seconds in totals]

@@ -17,8 +17,9 @@ that tree by default; ``calibration.json`` there records every measurement.
 With ``--temperature T`` the tree for sampling is chosen instead: sampled drafts are accepted with
 probability min(1, p/q), so there is no fixed continuation to replay; the formula's best static trees
 of ``--sample-sizes`` nodes, each with the prompt-lookup branches of ``--sample-lookup``, the current
-sampling tree and no tree at all (the root alone: plain decoding, when nothing pays) are each run (sampled generation after the held-out prompts, same seeds) and the fastest
-measured decoding wins. It is stored as the dtype's sampling tree (``dtype_trees["<dtype>:sample"]``).
+sampling tree and no tree at all (the root alone: plain decoding, when nothing pays) are each run
+(sampled generation after the held-out prompts, same seeds, trees alternated per prompt) and the
+fastest measured decoding wins. It is stored as the dtype's sampling tree (``dtype_trees["<dtype>:sample"]``).
 """
 
 from __future__ import annotations
@@ -176,13 +177,11 @@ def sampling_candidates(model, sequences, acc, current, args) -> list[dict]:
         for tokens in args.sample_lookup:
             static = grow_tree(acc, size)
             trees.append(("static+lookup" if tokens else "static", WithLookup(static, tokens) if tokens else static))
-    rows = []
-    for kind, tree in trees:
-        r = measure_sampling(model, prompts, tree, args.max_new_tokens, args.temperature, args.seed)
-        rows.append({"kind": kind, "tree": tree_json(tree), "size": tree_nodes(tree), "tokens_per_step": r["tokens_per_step"],
-                     "step_ms": 1e3 * r["tokens_per_step"] / r["tokens_per_second"],
-                     "tokens_per_second": r["tokens_per_second"]})
-    return rows
+    measured = measure_sampling(model, prompts, [tree for _, tree in trees], args.max_new_tokens, args.temperature,
+                                args.seed)
+    return [{"kind": kind, "tree": tree_json(tree), "size": tree_nodes(tree), "tokens_per_step": r["tokens_per_step"],
+             "step_ms": 1e3 * r["tokens_per_step"] / r["tokens_per_second"], "tokens_per_second": r["tokens_per_second"]}
+            for (kind, tree), r in zip(trees, measured)]
 
 
 def greedy_candidates(model, sequences, acc, table, overhead_per_step, current, args) -> list[dict]:
