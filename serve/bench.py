@@ -29,8 +29,11 @@ from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_qu
 from medusa_lite.targets import PRETRAINED_DIR, load_default, load_target
 from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
 
-METHODS = ("plain", "pld", "medusa")
-LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite"}
+METHODS = ("plain", "pld", "medusa", "loop")
+DEFAULT_METHODS = ("plain", "pld", "medusa")
+# loop: medusa_lite's decoding loop with the root alone (tree []), no speculation. Opt-in reference: how
+# much of medusa_lite's speedup over plain ``generate`` is the loop itself rather than the tree.
+LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite", "loop": "no-tree loop"}
 
 
 # ------------------------------------------------------------------------------------------ parse
@@ -46,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=None, help="questions per task (default: all 80)")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated Spec-Bench tasks")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 1.0 to sample")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (loop: medusa_lite with no tree, a reference)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -118,7 +122,10 @@ def make_runners(model: MedusaModel, gen: dict, pld_tokens: int) -> dict:
     def medusa(ids):
         return model.generate(ids, **gen)
 
-    return {"plain": plain, "pld": pld, "medusa": medusa}
+    def loop(ids):
+        return model.generate(ids, tree=[], **gen)
+
+    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop}
 
 
 # -------------------------------------------------------------------------------------------- run

@@ -76,6 +76,18 @@ def test_bench_sampling_subset_of_methods(bench, setup):
     assert (out / "speedup.png").is_file()
 
 
+def test_bench_no_tree_loop_reference(bench, setup):
+    """``loop`` (medusa_lite with no tree) decodes one token per forward, exactly as plain greedy does."""
+    target, questions, tmp = setup
+    out = tmp / "loop"
+    report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "10",
+                            "--limit", "1", "--tasks", "qa", "--methods", "medusa,loop", "--out", str(out),
+                            "--threads", "1"])
+    overall = report["summary"]["overall"]
+    assert overall["loop"]["exact_match"] == 1.0 and overall["loop"]["mean_accepted_tokens"] == 1.0
+    assert "no-tree loop speedup" in (out / "results.md").read_text()
+
+
 def test_bench_tree_file_with_more_ranks_than_the_heads_tree(bench, setup):
     target, questions, tmp = setup
     tree = tmp / "tree.json"
