@@ -333,7 +333,7 @@ class MedusaModel(nn.Module):
         streamer=None,
         stopping_criteria: StoppingCriteriaList | None = None,
         tokenizer=None,
-        tree: list[list[int]] | None = None,
+        tree: list[list[int]] | dict | None = None,
         generator: torch.Generator | None = None,
         sampled_drafts: bool = True,
         **kwargs,
