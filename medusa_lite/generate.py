@@ -24,7 +24,6 @@ from .tree import (TreeBuffers, attention_bias, buffers_from_parents, build_buff
 from .verify import Proposals, accept, greedy_choice, sample_choice, sample_walk
 
 
-
 class Draft(NamedTuple):
     """One step's tree: node tokens [N] (root first), its buffers, and which tokens were sampled (else None)."""
 

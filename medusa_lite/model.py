@@ -210,9 +210,10 @@ class MedusaModel(nn.Module):
         n = buffers.num_nodes
         if n == 1:  # the root alone: nothing to draft
             return ids[-1:].clone(), None
-        row = torch.full((n,), -1, dtype=torch.long, device=ids.device)
-        rank = torch.zeros(n, dtype=torch.long, device=ids.device)
-        vocab = getattr(self.heads, "draft_ids", None)
+        if sampler is not None:  # where each node's token was drawn from (-1: deterministic)
+            row = torch.full((n,), -1, dtype=torch.long, device=ids.device)
+            rank = torch.zeros(n, dtype=torch.long, device=ids.device)
+            vocab = getattr(self.heads, "draft_ids", None)
         if self.config.head_type == "medusa":
             if sampler is None:
                 return tree_tokens(ids[-1], self.draft(hidden, ids, buffers.topk), buffers), None

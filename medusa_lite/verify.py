@@ -123,7 +123,8 @@ def sample_walk(tokens: torch.Tensor, parents: list[int], target: Callable[[int]
                 path.append(child)
                 break
             if q is None:
-                r = r.index_fill(0, torch.tensor([x], device=r.device), 0.0)
+                r = r.clone()
+                r[x] = 0.0
             else:
                 residual = (r - q).clamp_(min=0.0)
                 # rejection implies r != q, so the residual has mass; the guard only catches rounding

@@ -174,8 +174,8 @@ def sampling_candidates(model, sequences, acc, current, args) -> list[dict]:
     prompts = [ids[:start] for ids, start in sequences]
     trees = [("current", current), ("none", [])]  # none: the root alone, i.e. plain decoding in this loop
     for size in args.sample_sizes:
+        static = grow_tree(acc, size)
         for tokens in args.sample_lookup:
-            static = grow_tree(acc, size)
             trees.append(("static+lookup" if tokens else "static", WithLookup(static, tokens) if tokens else static))
     measured = measure_sampling(model, prompts, [tree for _, tree in trees], args.max_new_tokens, args.temperature,
                                 args.seed)
