@@ -16,8 +16,8 @@ TASKS: dict[str, tuple[int, int]] = {
     "rag": (481, 560),
 }
 
-# relative to the repository root (the shared data folder sits next to the checkout)
-DEFAULT_QUESTIONS = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "specbench" / "question.jsonl"
+# shipped with the package (provenance and licence: data/specbench/README.md)
+DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "specbench" / "question.jsonl"
 
 
 @dataclass
@@ -45,7 +45,7 @@ def load_questions(path: str | Path = DEFAULT_QUESTIONS, *, limit: int | None = 
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if not path.is_file():
-        raise FileNotFoundError(f"Spec-Bench questions not found at {path} (see ../shared/data/specbench/README.md)")
+        raise FileNotFoundError(f"Spec-Bench questions not found at {path}")
     wanted = list(tasks) if tasks else list(TASKS)
     unknown = sorted(set(wanted) - set(TASKS))
     if unknown:
