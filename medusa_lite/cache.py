@@ -54,3 +54,19 @@ def keep_accepted(cache: DynamicCache, prefix_len: int, accepted: torch.Tensor) 
             layer.values[:, :, prefix_len:prefix_len + a] = layer.values.index_select(2, src)
         layer.keys = layer.keys[:, :, :prefix_len + a]
         layer.values = layer.values[:, :, :prefix_len + a]
+
+
+def extend_cache(cache: DynamicCache, tokens: int, generator: torch.Generator | None = None) -> None:
+    """Append ``tokens`` random entries to every layer (shapes, dtype and device as the layer's own).
+
+    For latency measurements only: attention costs the same whatever the keys hold, and this builds a
+    long cache in milliseconds where a prefill of that length would take seconds.
+    """
+    if tokens <= 0:
+        return
+    for i, layer in enumerate(cache.layers):
+        shape = list(layer.keys.shape)
+        shape[2] = tokens
+        keys = torch.randn(shape, generator=generator).to(layer.keys)
+        values = torch.randn(shape[:3] + [layer.values.shape[3]], generator=generator).to(layer.values)
+        cache.update(keys, values, i)

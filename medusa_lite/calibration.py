@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .fit import BUCKETS, bucket_of
 from .generate import GenerationStats, cache_kwarg, verify_forward
 from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree, tree_json
 from .verify import accept
@@ -203,7 +204,7 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
 
 @torch.no_grad()
 def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: TreeSpec, stride: int = 1,
-                      features: list[torch.Tensor] | None = None) -> dict:
+                      features: list[torch.Tensor] | None = None, buckets=BUCKETS) -> dict:
     """Measured tokens per step of ``tree`` on the target's own greedy continuations (greedy decoding).
 
     At every ``stride``-th position t of ``ids[start - 1:]`` the tree is drafted from the target's hidden
@@ -211,11 +212,13 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
     walked against the true continuation with :func:`medusa_lite.verify.accept`: a node is right when
     it holds the target's greedy token after its path. Returns ``{"mean_tokens": accepted + bonus per
     step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed, "mean_nodes":
-    tree nodes per step, root included}``.
+    tree nodes per step, root included, "by_bucket": the same per context-length bucket}`` (the context of
+    a step is the cache length before its root, t + 1; :class:`medusa_lite.fit.Candidate` fields).
     ``features``: the sequences' final hidden states [L, H], if already computed.
     """
     drafter = model.drafter(tree)
     total, steps, seconds, nodes_total = 0, 0, 0.0, 0
+    per_bucket = BucketCounts(buckets)
     for i, (ids, start) in enumerate(sequences):
         hidden = features[i] if features is not None else final_hidden(model.base_model, ids)
         for t in range(max(start - 1, 0), ids.numel() - 2, stride):
@@ -227,8 +230,30 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
             total += nodes.numel()  # accepted + bonus
             nodes_total += buffers.num_nodes
             steps += 1
+            per_bucket.add(t + 1, nodes.numel(), buffers.num_nodes)
     return {"mean_tokens": total / max(steps, 1), "draft_seconds": seconds / max(steps, 1), "steps": steps,
-            "mean_nodes": nodes_total / max(steps, 1)}
+            "mean_nodes": nodes_total / max(steps, 1), "by_bucket": per_bucket.to_dict()}
+
+
+class BucketCounts:
+    """Tokens per step and tree tokens per step, summed per context-length bucket."""
+
+    def __init__(self, buckets=BUCKETS):
+        self.buckets = tuple(buckets)
+        self.tokens = [0] * len(self.buckets)
+        self.nodes = [0] * len(self.buckets)
+        self.steps = [0] * len(self.buckets)
+
+    def add(self, context: int, tokens: int, nodes: int) -> None:
+        b = bucket_of(context, self.buckets)
+        self.tokens[b] += tokens
+        self.nodes[b] += nodes
+        self.steps[b] += 1
+
+    def to_dict(self) -> dict:
+        """``{"tokens_per_step", "nodes", "steps"}`` lists (a bucket without steps: 1.0, plain decoding)."""
+        return {"tokens_per_step": [t / s if s else 1.0 for t, s in zip(self.tokens, self.steps)],
+                "nodes": [n / s if s else 1.0 for n, s in zip(self.nodes, self.steps)], "steps": list(self.steps)}
 
 
 @torch.no_grad()
@@ -239,18 +264,19 @@ def final_hidden(target, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], max_new_tokens: int,
-                     temperature: float, seed: int = 0) -> list[dict]:
+                     temperature: float, seed: int = 0, buckets=BUCKETS) -> list[dict]:
     """Sampled generation with each of ``trees`` after each prompt ([L] ids), measured: tokens per step and
     decoding speed (prefill excluded). Trees alternate per prompt (machine noise spreads evenly) and
     every tree sees the same prompts and seeds.
 
     Sampling has no fixed continuation to replay against, and sampled drafts are accepted with probability
     min(1, p/q), so trees for sampling are scored by running them. Returns, per tree, ``{"tokens_per_step",
-    "tokens_per_second", "steps"}``.
+    "tokens_per_second", "steps", "by_bucket"}`` (``by_bucket``: :class:`BucketCounts` by each step's context).
     """
     totals = [[0, 0, 0.0] for _ in trees]  # tokens, steps, seconds
+    per_bucket = [BucketCounts(buckets) for _ in trees]
     for i, ids in enumerate(prompts):
-        for total, tree in zip(totals, trees):
+        for total, counts, tree in zip(totals, per_bucket, trees):
             generator = torch.Generator(device=model.device).manual_seed(seed + i)
             model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
                            top_k=0, top_p=1.0, tree=tree_json(tree), generator=generator, eos_token_id=None)
@@ -258,5 +284,9 @@ def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], 
             total[0] += stats.new_tokens - 1  # the prefill's token is not the tree's
             total[1] += stats.verify_steps
             total[2] += stats.wall_time - stats.prefill_time
+            context = ids.numel()  # cache length when the first root (the prefill's token) is verified
+            for tokens, nodes in zip(stats.tokens_per_step, stats.nodes_per_step):
+                counts.add(context, tokens, nodes)
+                context += tokens
     return [{"tokens_per_step": tokens / max(steps, 1), "tokens_per_second": tokens / max(seconds, 1e-9),
-             "steps": steps} for tokens, steps, seconds in totals]
+             "steps": steps, "by_bucket": counts.to_dict()} for (tokens, steps, seconds), counts in zip(totals, per_bucket)]

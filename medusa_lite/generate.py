@@ -46,11 +46,13 @@ class GenerationStats:
     draft_tokens: int = 0  # drafted tree nodes verified, summed over steps (root excluded)
     step_depths: list[int] = field(default_factory=list)  # depth of the tree verified at each step
     tokens_per_step: list[int] = field(default_factory=list)
+    nodes_per_step: list[int] = field(default_factory=list)  # tree tokens verified at each step, root included
     accepted_per_depth: list[int] = field(default_factory=list)
     wall_time: float = 0.0
     target_time: float = 0.0  # seconds inside target forwards (prefill + verify)
     prefill_time: float = 0.0  # seconds of the prompt's forward
     tree_nodes: int = 0
+    fitted: dict | None = None  # with a tree fitted to the machine: steps per tree, realized speed per bucket
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -75,7 +77,7 @@ class GenerationStats:
             "verify_steps": self.verify_steps, "draft_tokens": self.draft_tokens, "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
             "target_time": self.target_time, "prefill_time": self.prefill_time, "overhead_share": self.overhead_share,
-            "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes,
+            "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes, "fitted": self.fitted,
         }
 
 
@@ -162,6 +164,45 @@ class PromptLookup:
                      draft.proposals)
 
 
+class FittedDrafter:
+    """A :data:`Drafter` that drafts each step with the tree its context bucket's :class:`~medusa_lite.fit.SpeedGuard`
+    names (a ladder fitted to this machine, :func:`medusa_lite.fit.fit_trees`); :meth:`record` (the loop's
+    ``on_step``) tells the guard how the step went.
+
+    The tree of a step is chosen before the step drafts, from finished steps only, so the step's
+    acceptance (greedy walk or rejection sampling) is exact whatever tree the guard picks.
+    """
+
+    def __init__(self, make: Callable[[object], Drafter], guards: list, buckets: tuple[int, ...]):
+        self.make, self.guards, self.buckets = make, guards, buckets
+        self._drafters: dict[str, Drafter] = {}
+        self._bucket = 0
+        self.steps_by_tree: dict[str, int] = {}
+        self.realized = [[0, 0.0] for _ in guards]  # tokens, seconds per bucket
+
+    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> Draft:
+        from .fit import bucket_of, tree_key
+
+        self._bucket = bucket_of(ids.numel() - 1, self.buckets)  # the cache length (ids end in the root)
+        guard = self.guards[self._bucket]
+        tree = guard.ladder[guard.rung()].tree
+        key = tree_key(tree)
+        if key not in self._drafters:
+            self._drafters[key] = self.make(tree)
+        self.steps_by_tree[key] = self.steps_by_tree.get(key, 0) + 1
+        return self._drafters[key](hidden, ids, max_depth)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.guards[self._bucket].record(tokens, seconds)
+        self.realized[self._bucket][0] += tokens
+        self.realized[self._bucket][1] += seconds
+
+    def report(self) -> dict:
+        """Steps per tree and realized tokens/s per bucket (speculative steps only, prefill excluded)."""
+        return {"steps_by_tree": dict(self.steps_by_tree),
+                "realized_tokens_per_second": [t / s if s > 0 else None for t, s in self.realized]}
+
+
 def cache_kwarg(target) -> str:
     """transformers >= 5.2x names the cache argument ``cache``; older models ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
@@ -213,8 +254,13 @@ def speculative_generate(
     streamer=None,
     stopping_criteria: StoppingCriteriaList | None = None,
     generator: torch.Generator | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> tuple[torch.Tensor, GenerationStats]:
-    """Generate after ``prompt`` ([L] long, no padding). Returns (new tokens [n] long, stats)."""
+    """Generate after ``prompt`` ([L] long, no padding). Returns (new tokens [n] long, stats).
+
+    ``on_step(tokens, seconds)``: called after every verify step with the tokens it emitted (accepted +
+    bonus) and its wall time (drafting, verification, cache commit): how a fitted drafter's guard learns.
+    """
     start = time.perf_counter()
     stats = GenerationStats()
     device = prompt.device
@@ -239,6 +285,7 @@ def speculative_generate(
     _push(streamer, kept)
 
     while not done:
+        step_start = time.perf_counter()
         max_depth = stopper.remaining - 1
         if limit is not None:
             max_depth = min(max_depth, limit - cache_len - 1)
@@ -258,6 +305,8 @@ def speculative_generate(
         hidden = out.hidden_states[-1][0, nodes[-1]]  # [H]
         _record(stats, nodes.numel() - 1, buffers)
         kept, done = stopper.extend(tokens[nodes[1:]].tolist() + [int(root)])
+        if on_step is not None:
+            on_step(nodes.numel(), time.perf_counter() - step_start)
         _push(streamer, kept)
 
     new = torch.tensor(stopper.generated, dtype=torch.long, device=device)
@@ -271,6 +320,7 @@ def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None
     stats.draft_tokens += buffers.num_nodes - 1
     stats.step_depths.append(buffers.depth)
     stats.tokens_per_step.append(accepted + 1)
+    stats.nodes_per_step.append(buffers.num_nodes)
     stats.tree_nodes = max(stats.tree_nodes, buffers.num_nodes)
     while len(stats.accepted_per_depth) < buffers.depth:
         stats.accepted_per_depth.append(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,9 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .generate import Draft, GenerationStats, PromptLookup, StaticTree, context_length, speculative_generate
+from .fit import AcceptanceTable, HardwareFit, SpeedGuard, fit_trees
+from .generate import (Draft, FittedDrafter, GenerationStats, PromptLookup, StaticTree, context_length,
+                       speculative_generate)
 from .heads import build_heads
 from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers, load_tree,
@@ -93,6 +96,11 @@ class MedusaModel(nn.Module):
         self.heads.init_lm_heads(lm_head)
         self.last_stats: GenerationStats | None = None
         self._projection: tuple | None = None
+        # hardware fit (medusa_lite.fit): the heads' acceptance table, fits and guards per (sampling, dtype, device)
+        self.acceptance: AcceptanceTable | None = None
+        self.fit_enabled = os.environ.get("MEDUSA_LITE_FIT", "1").lower() not in ("0", "off", "false", "no")
+        self._fits: dict[tuple, HardwareFit] = {}
+        self._guards: dict[tuple, list[SpeedGuard]] = {}
         if freeze:
             base_model.requires_grad_(False)
             base_model.eval()
@@ -107,6 +115,8 @@ class MedusaModel(nn.Module):
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
         (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices,
                                                        "by_dtype": self.config.dtype_trees}) + "\n")
+        if self.acceptance is not None:
+            self.acceptance.save(directory)
 
     @classmethod
     def from_pretrained(cls, base_model, heads_dir: str | Path, **kwargs) -> "MedusaModel":
@@ -124,6 +134,7 @@ class MedusaModel(nn.Module):
         missing, unexpected = model.heads.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
+        model.acceptance = AcceptanceTable.load(heads_dir)
         return model
 
     # ------------------------------------------------------------------ properties
@@ -323,6 +334,52 @@ class MedusaModel(nn.Module):
         out = torch.cat([root, cand_tokens[torch.tensor(keep, device=root.device)]])
         return Draft(out, buffers_from_parents(parents, root.device))
 
+    # ------------------------------------------------------------------ hardware fit
+    def fit_hardware(self, sample: bool = False, *, force: bool = False, progress: bool = True,
+                     budget_s: float | None = None) -> HardwareFit | None:
+        """The trees fitted to this machine for greedy decoding or sampling (:mod:`medusa_lite.fit`).
+
+        Combines the heads' acceptance table (shipped, hardware-independent) with this machine's measured
+        verify latency and drafting cost (:func:`medusa_lite.probe.load_or_probe`: a bounded probe on first
+        use per machine fingerprint, then a cache read). None when the heads have no acceptance table.
+        ``force``: measure again even if a valid cached probe exists.
+        """
+        from .probe import DEFAULT_BUDGET_S, load_or_probe
+
+        if self.acceptance is None:
+            return None
+        key = (sample, self.dtype, self.device)
+        if key in self._fits and not force:
+            return self._fits[key]
+        candidates = self.acceptance.candidates(sample)
+        trees = [c.tree for c in candidates if c.tree != []]
+        most = max(max(c.tokens_per_step) for c in candidates)
+        fingerprint, measured, hit = load_or_probe(self, trees, force=force, progress=progress,
+                                                   budget_s=budget_s or DEFAULT_BUDGET_S, max_tokens_per_step=most)
+        ladders = fit_trees(candidates, measured["latency"], measured["draft"], measured["overhead"],
+                            tuple(self.acceptance.buckets))
+        fit = HardwareFit(fingerprint, ladders, tuple(self.acceptance.buckets), hit, measured["seconds"])
+        self.use_fit(fit, sample)
+        return fit
+
+    def use_fit(self, fit: HardwareFit, sample: bool = False, *, window: int = 8, retry: int = 64) -> None:
+        """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test) and
+        fresh guards of the given ``window`` and ``retry`` (see :class:`medusa_lite.fit.SpeedGuard`)."""
+        key = (sample, self.dtype, self.device)
+        self._fits[key] = fit
+        self._guards[key] = [SpeedGuard(ladder, window=window, retry=retry) for ladder in fit.ladders]
+
+    def _fitted_drafter(self, sample: bool, sampler: DraftSampler | None) -> FittedDrafter | None:
+        """The drafter over the fitted ladders (guards kept across calls), or None when fitting is off or impossible."""
+        if not self.fit_enabled:
+            return None
+        fit = self._fits.get((sample, self.dtype, self.device)) or self.fit_hardware(sample)
+        if fit is None:
+            return None
+        guards = self._guards[(sample, self.dtype, self.device)]
+        return FittedDrafter(lambda tree: self.drafter(parse_tree(tree, self.config.num_heads), sampler), guards,
+                             fit.buckets)
+
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
     def generate(
@@ -335,6 +392,7 @@ class MedusaModel(nn.Module):
         stopping_criteria: StoppingCriteriaList | None = None,
         tokenizer=None,
         tree: list[list[int]] | dict | None = None,
+        fit: bool | None = None,
         generator: torch.Generator | None = None,
         sampled_drafts: bool = True,
         **kwargs,
@@ -348,6 +406,9 @@ class MedusaModel(nn.Module):
         ``stopping_criteria``, streamers. Anything else raises ``ValueError``.
         When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
         accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
+        Without ``tree``, the tree is the one fitted to this machine per context length (heads with an
+        acceptance table, :meth:`fit_hardware`; ``fit=False`` or ``MEDUSA_LITE_FIT=0``: the heads' stored tree)
+        and an online guard shrinks it, down to no tree, while it does not pay (``last_stats.fitted``).
         """
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
         unused.pop("use_cache", None)
@@ -369,17 +430,24 @@ class MedusaModel(nn.Module):
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
-        tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
-        drafter = self.drafter(tree, sampler)
+        drafter = None
+        if tree is None and fit is not False:
+            drafter = self._fitted_drafter(config.do_sample, sampler)
+        if drafter is None:
+            tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
+            drafter = self.drafter(tree, sampler)
+        on_step = drafter.record if isinstance(drafter, FittedDrafter) else None
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
             new, stats = speculative_generate(
                 self.base_model, drafter, prompt, config, max_new_tokens=max_new, streamer=streamer,
-                stopping_criteria=criteria, generator=generator)
+                stopping_criteria=criteria, generator=generator, on_step=on_step)
         finally:
             if streamer is not None:
                 streamer.end()
+        if on_step is not None:
+            stats.fitted = drafter.report()
         self.last_stats = stats
         return torch.cat([input_ids[0], new.to(input_ids.device)])[None]
 

@@ -27,10 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, final_hidden,
@@ -77,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="0: the greedy tree (default); > 0: the tree for sampling at this temperature")
     p.add_argument("--sample-sizes", type=_ints, default=[4, 8, 12], help="tree sizes run when --temperature > 0")
     p.add_argument("--sample-lookup", type=_ints, default=[0, 4], help="prompt-lookup lengths (0: none) run then")
+    p.add_argument("--acceptance", action="store_true",
+                   help="write the heads' hardware-independent acceptance table (acceptance.json: every candidate "
+                        "tree's tokens per step by context length, greedy replayed and sampled), from which "
+                        "generate fits the tree to whatever machine it runs on; no latency is measured")
+    p.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of the table's sampled runs")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     # build
     target, tokenizer = load_target(args.target, dtype=args.dtype)
     model = MedusaModel.from_pretrained(target, heads_dir)
+    model.fit_enabled = False  # calibration measures trees itself
     questions = load_questions(args.questions, limit=args.per_task, from_end=True)
 
     # (1) the target's own greedy continuations (medusa_lite greedy == target greedy), with the step overhead
@@ -110,6 +118,11 @@ def main(argv: list[str] | None = None) -> dict:
     acc = accuracy["accuracies"]
     for k, row in enumerate(acc):
         print(f"head {k}: top-1 {row[0]:.3f}  top-{len(row)} {sum(row):.3f}")
+    if args.acceptance:
+        table = acceptance_table(model, sequences, acc, questions, args)
+        if not args.dry_run:
+            print(f"wrote {table.save(heads_dir)}")
+        return table.to_dict()
     latency = measure_forward_latency(target, args.latency_tokens, cache_len=args.cache_len, repeats=args.repeats,
                                       seed=args.seed)
     table = monotone_latency({n: v["median"] for n, v in latency.items()})
@@ -167,6 +180,60 @@ def main(argv: list[str] | None = None) -> dict:
         print("WARNING: the best tree's estimate is below plain decoding's single-token forward rate on this "
               "machine: better heads, or a dtype whose forward cost grows less with tokens (bf16), may be needed")
     return report
+
+
+ACCEPTANCE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ACCEPTANCE_LOOKUP = (4, 8, 16)
+SAMPLE_SIZES = (1, 2, 4, 8)
+
+
+def acceptance_candidates(model, acc) -> tuple[list, list]:
+    """(greedy, sampling) candidate trees of an acceptance table: for greedy, the formula's best static tree
+    of every size, Hydra heads' dynamic trees, each also with prompt-lookup branches, and the lookup branch
+    alone; for sampling, smaller static trees with and without a short lookup branch. The root alone is
+    always a candidate (plain decoding) and needs no entry."""
+    statics = []
+    for size in ACCEPTANCE_SIZES:
+        tree = grow_tree(acc, size)
+        if tree not in statics:
+            statics.append(tree)
+    bases = list(statics)
+    if model.config.head_type == "hydra":
+        bases += [DynamicTree(n, model.config.num_heads, topk=4, expand=4) for n in (4, 8, 16, 32)]
+    greedy = [tree_json(t) for t in bases]
+    greedy += [WithLookup(t, n).to_json() for t in bases for n in ACCEPTANCE_LOOKUP]
+    greedy += [WithLookup([], n).to_json() for n in ACCEPTANCE_LOOKUP]
+    sample = [grow_tree(acc, n) for n in SAMPLE_SIZES]
+    sample = sample + [WithLookup(t, 4).to_json() for t in sample] + [WithLookup([], 4).to_json()]
+    return greedy, sample
+
+
+def acceptance_table(model, sequences, acc, questions, args):
+    """Replay every greedy candidate on the continuations and run every sampling candidate after the prompts;
+    the tokens per step (and tree tokens) per context bucket form the heads' :class:`AcceptanceTable`."""
+    from medusa_lite.fit import BUCKETS, AcceptanceTable, Candidate
+
+    greedy, sample = acceptance_candidates(model, acc)
+    features = [final_hidden(model.base_model, ids) for ids, _ in sequences]
+    rows = []
+    for tree in tqdm(greedy, desc="replaying greedy candidates"):
+        r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), args.stride, features)
+        rows.append(Candidate(tree=tree, **r["by_bucket"]))
+    sampled = []
+    if args.sample_temperature > 0:
+        prompts = [ids[:start] for ids, start in sequences]
+        trees = [parse_tree(t, model.config.num_heads) for t in sample]
+        measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed)
+        sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
+    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": args.target or "SmolLM2-135M-Instruct",
+            "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
+            "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+            "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
+            "command": "medusa-lite calibrate --acceptance " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+    for c in rows[:3] + sampled[:2]:
+        print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
+    return AcceptanceTable(buckets=list(BUCKETS), greedy=rows, sample=sampled,
+                           sample_temperature=args.sample_temperature or None, data=data)
 
 
 def sampling_candidates(model, sequences, acc, current, args) -> list[dict]:

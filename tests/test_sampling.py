@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import random_heads, tiny_model
+from test_fit import restless_fit
 
 import medusa_lite.generate as gen_mod
 from medusa_lite import MedusaConfig, MedusaModel
@@ -80,10 +81,16 @@ def _support(exact: dict) -> int:
     ({"temperature": 1.0, "top_k": 0}, "hydra-dynamic"),  # a tree chosen anew every step
     ({"temperature": 1.0, "top_k": 0}, "lookup"),  # + a prompt-lookup branch merged into the tree
     ({"temperature": 1.0, "top_k": 0, "sampled_drafts": False}, "hydra"),  # the heads' top ranks, one-hot proposals
-], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup", "T1-hydra-top-ranks"])
+    ({"temperature": 1.0, "top_k": 0}, "hydra-adaptive"),  # a fitted ladder whose guard moves every step
+], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup", "T1-hydra-top-ranks",
+        "T1-hydra-adaptive"])
 def test_sampling_matches_target_distribution(gen, heads):
     dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
-    if heads == "hydra-dynamic":
+    if heads == "hydra-adaptive":  # the tree changes between steps (never within one): still exact
+        model = make_model("hydra")
+        trees = [TREE, dynamic, {"tree": TREE, "prompt_lookup": 3, "ngram": 1}, [[0]], []]
+        model.use_fit(restless_fit(trees), sample=True, window=1, retry=2)
+    elif heads == "hydra-dynamic":
         model = make_model("hydra", dynamic)
     elif heads == "lookup":
         model = make_model("medusa", {"tree": TREE, "prompt_lookup": 3, "ngram": 1})

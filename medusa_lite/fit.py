@@ -1,0 +1,312 @@
+"""Fit speculation to the machine it runs on: the choice of tree, as pure functions (DESIGN 3.2).
+
+Calibration has two halves:
+
+* **hardware-independent, shipped with the heads** (``acceptance.json``, :class:`AcceptanceTable`): for
+  every candidate tree, the tokens per step it yields (accepted + bonus) and the tree tokens it verifies
+  per step, in each context-length bucket. Measured once, offline, by ``medusa-lite calibrate`` on the
+  target's own continuations (greedy: replayed; sampling: run);
+* **hardware-dependent, measured where the model runs** (:mod:`medusa_lite.probe`): the target's
+  verify-forward latency against tree tokens and cache length, each candidate's drafting time, and the
+  loop's per-step bookkeeping.
+
+:func:`fit_trees` combines them. Per bucket, a candidate's predicted speed is
+``tokens_per_step / (latency(nodes, context) + drafting + bookkeeping)``; the root alone (plain decoding
+in the loop) is always a candidate, so the fitted tree is never predicted slower than no speculation.
+The result per bucket is a *ladder*: the candidates predicted faster than plain decoding, fastest
+first, ending with the root alone. :class:`SpeedGuard` walks that ladder while decoding when the
+realized speed disagrees with the prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ACCEPTANCE_NAME = "acceptance.json"
+ACCEPTANCE_FORMAT = "medusa_lite.acceptance/1"
+BUCKETS = (0, 256, 1024)            # context-length buckets: [0, 256), [256, 1024), [1024, ...)
+MIN_BUCKET_STEPS = 20               # fewer replayed steps in a bucket: use the candidate's pooled figures
+PLAIN = []                          # the root alone: plain decoding inside the speculative loop
+MAX_RUNGS = 4                       # candidate trees kept per ladder (plus the root alone)
+
+
+def bucket_of(context: int, buckets=BUCKETS) -> int:
+    """Index of the bucket holding a cache of ``context`` tokens."""
+    index = 0
+    for i, lo in enumerate(buckets):
+        if context >= lo:
+            index = i
+    return index
+
+
+def bucket_contexts(buckets=BUCKETS) -> list[float]:
+    """The cache length each bucket's latency is read at: its middle; twice its start for the open last one."""
+    bounds = list(buckets[1:])
+    return [(lo + hi) / 2 for lo, hi in zip(buckets, bounds)] + [max(2.0 * buckets[-1], 128.0)]
+
+
+def tree_key(tree) -> str:
+    """A stable text key of a tree's JSON form (dict keys sorted)."""
+    return json.dumps(tree, sort_keys=True, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------------------ the shipped table
+@dataclass
+class Candidate:
+    """One candidate tree's hardware-independent figures, per context bucket."""
+
+    tree: list | dict                  # the tree in JSON form ([] = the root alone)
+    tokens_per_step: list[float]       # accepted + bonus per step, per bucket
+    nodes: list[float]                 # tree tokens verified per step (root included), per bucket
+    steps: list[int]                   # steps measured per bucket (0: no data; pooled figures used)
+
+    def __post_init__(self) -> None:
+        n = len(self.steps)
+        if not (len(self.tokens_per_step) == len(self.nodes) == n) or n == 0:
+            raise ValueError(f"candidate {self.tree!r}: per-bucket lists of different lengths")
+        for name in ("tokens_per_step", "nodes"):
+            values = getattr(self, name)
+            if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 1.0 for v in values):
+                raise ValueError(f"candidate {self.tree!r}: {name} must be finite numbers >= 1, got {values}")
+
+    def in_bucket(self, bucket: int) -> tuple[float, float]:
+        """(tokens per step, nodes) in ``bucket``; the step-weighted pool over buckets where it has too few steps."""
+        if self.steps[bucket] >= MIN_BUCKET_STEPS:
+            return self.tokens_per_step[bucket], self.nodes[bucket]
+        total = sum(self.steps)
+        if total == 0:
+            return sum(self.tokens_per_step) / len(self.steps), sum(self.nodes) / len(self.steps)
+        tokens = sum(t * s for t, s in zip(self.tokens_per_step, self.steps)) / total
+        nodes = sum(n * s for n, s in zip(self.nodes, self.steps)) / total
+        return tokens, nodes
+
+
+@dataclass
+class AcceptanceTable:
+    """``acceptance.json``: every candidate tree's tokens per step by context bucket, for greedy decoding and
+    for sampling (measured at ``sample_temperature``), with where the figures came from."""
+
+    buckets: list[int]
+    greedy: list[Candidate]
+    sample: list[Candidate] = field(default_factory=list)
+    sample_temperature: float | None = None
+    data: dict = field(default_factory=dict)   # provenance: prompts, tokens, date, heads
+
+    def __post_init__(self) -> None:
+        if not self.buckets or self.buckets[0] != 0 or sorted(set(self.buckets)) != list(self.buckets):
+            raise ValueError(f"acceptance buckets must start at 0 and increase, got {self.buckets}")
+        for c in self.greedy + self.sample:
+            if len(c.steps) != len(self.buckets):
+                raise ValueError(f"candidate {c.tree!r} has {len(c.steps)} buckets, the table {len(self.buckets)}")
+
+    def candidates(self, sample: bool) -> list[Candidate]:
+        """The candidates for sampling (greedy ones if the table has none) or for greedy decoding."""
+        return (self.sample or self.greedy) if sample else self.greedy
+
+    def to_dict(self) -> dict:
+        return {"format": ACCEPTANCE_FORMAT, "buckets": list(self.buckets),
+                "greedy": [asdict(c) for c in self.greedy], "sample": [asdict(c) for c in self.sample],
+                "sample_temperature": self.sample_temperature, "data": self.data}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "acceptance table") -> "AcceptanceTable":
+        if not isinstance(data, dict) or data.get("format") != ACCEPTANCE_FORMAT:
+            raise ValueError(f"{source}: not a {ACCEPTANCE_FORMAT} file")
+        try:
+            return cls(buckets=list(data["buckets"]), greedy=[Candidate(**c) for c in data["greedy"]],
+                       sample=[Candidate(**c) for c in data.get("sample", [])],
+                       sample_temperature=data.get("sample_temperature"), data=dict(data.get("data", {})))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{source}: malformed acceptance table: {e}") from e
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / ACCEPTANCE_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "AcceptanceTable | None":
+        """The table in ``directory``, or None when it has none."""
+        path = Path(directory) / ACCEPTANCE_NAME
+        if not path.is_file():
+            return None
+        try:
+            return cls.from_dict(json.loads(path.read_text()), str(path))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+# ----------------------------------------------------------------------------------- latency model
+def latency_at(latency: dict[int, dict[int, float]], tokens: float, context: float) -> float:
+    """Seconds of one verify forward of ``tokens`` tree tokens over a cache of ``context`` tokens.
+
+    latency: ``{cache_len: {tokens: seconds}}`` as measured. Within one cache length: piecewise linear in
+    tokens (made non-decreasing, flat below the smallest point, extended by the last slope above the
+    largest); across cache lengths: linear in the cache length (attention grows with it), never below the
+    smallest measured cache length's value and never decreasing with context.
+    """
+    from .calibration import interpolate_latency, monotone_latency
+
+    if not latency:
+        raise ValueError("empty latency table")
+    at = {c: interpolate_latency(monotone_latency(table), tokens) for c, table in sorted(latency.items())}
+    lengths = sorted(at)
+    if len(lengths) == 1 or context <= lengths[0]:
+        return at[lengths[0]]
+    lo, hi = (lengths[-2], lengths[-1]) if context >= lengths[-1] else next(
+        (a, b) for a, b in zip(lengths, lengths[1:]) if a <= context <= b)
+    slope = max((at[hi] - at[lo]) / (hi - lo), 0.0)
+    return at[lo] + slope * (context - lo)
+
+
+def max_tokens(latency: dict[int, dict[int, float]]) -> int:
+    """The largest number of tree tokens measured at every cache length (no extrapolation beyond it)."""
+    return min(max(table) for table in latency.values())
+
+
+# ------------------------------------------------------------------------------------- the choice
+@dataclass
+class Rung:
+    """One tree of a bucket's ladder and its prediction on this machine."""
+
+    tree: list | dict
+    tokens_per_step: float
+    step_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+
+def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]], draft_seconds: dict[str, float],
+              overhead: float, buckets=BUCKETS, max_rungs: int = MAX_RUNGS) -> list[list[Rung]]:
+    """Per bucket, the ladder of trees for this machine: the (up to ``max_rungs``) candidates predicted faster
+    than plain decoding, fastest first, then the root alone, which is always last.
+
+    ``latency``: measured verify latency (:func:`latency_at`); ``draft_seconds``: drafting time per step by
+    :func:`tree_key`; ``overhead``: the loop's per-step bookkeeping (the same for every tree). Candidates
+    with more tree tokens than were measured are left out (the probe stops measuring where no candidate
+    could pay). Ties go to the smaller tree. Pure: numbers in, ladders out.
+    """
+    limit = max_tokens(latency)
+    ladders = []
+    for bucket, context in enumerate(bucket_contexts(buckets)):
+        plain = Rung(PLAIN, 1.0, latency_at(latency, 1, context) + overhead)
+        rungs = []
+        for c in candidates:
+            if c.tree == PLAIN:
+                continue
+            tokens, nodes = c.in_bucket(bucket)
+            if nodes > limit:
+                continue
+            step = latency_at(latency, nodes, context) + draft_seconds.get(tree_key(c.tree), 0.0) + overhead
+            rung = Rung(c.tree, tokens, step)
+            if rung.tokens_per_second > plain.tokens_per_second:
+                rungs.append((rung, nodes))
+        rungs.sort(key=lambda rn: (-round(rn[0].tokens_per_second, 9), rn[1]))
+        ladders.append([r for r, _ in rungs[:max_rungs]] + [plain])
+    return ladders
+
+
+# -------------------------------------------------------------------------------- the online guard
+class SpeedGuard:
+    """Checks a bucket's ladder against realized speed while decoding and moves along it.
+
+    Starts on the first rung (the fitted tree). After ``window`` steps on a rung, its realized tokens/s
+    (tokens emitted / wall seconds of those steps) is compared with the next rung down: with that rung's own
+    realized speed when it was measured recently, else with its prediction scaled by how much slower than
+    predicted this machine's steps are running now. If the lower rung is faster, the guard steps down
+    (down to the root alone: no speculation). Every ``retry`` steps below the top it tries one rung up
+    again, for ``window`` steps, so a tree that stops paying for a while (a busy machine, hard text) is
+    picked up again when it pays.
+
+    Exactness: :meth:`rung` depends only on steps already finished (their token counts and durations),
+    never on the draws of the step it is asked for. A step's tree is therefore fixed before that step
+    drafts, and every acceptance rule (greedy walk, rejection sampling) is exact whatever tree it gets.
+    """
+
+    def __init__(self, ladder: list[Rung], window: int = 8, retry: int = 64):
+        if not ladder:
+            raise ValueError("a ladder needs at least one rung")
+        self.ladder = ladder
+        self.window, self.retry = window, retry
+        self.level = 0
+        self.recent = [deque(maxlen=window) for _ in ladder]  # (tokens, seconds) of the last steps per rung
+        self.age = [math.inf for _ in ladder]                  # steps since a rung's figures were taken
+        self.below_top = 0                                     # steps since the last move up
+
+    def rung(self) -> int:
+        """The rung for the next step (decided by past steps only)."""
+        return self.level
+
+    def realized(self, level: int) -> float | None:
+        """Tokens/s of the last ``window`` steps on ``level``, if it has that many."""
+        steps = self.recent[level]
+        if len(steps) < self.window:
+            return None
+        return sum(t for t, _ in steps) / max(sum(s for _, s in steps), 1e-12)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A finished step on the current rung: ``tokens`` emitted in ``seconds`` (draft + verify + commit)."""
+        level = self.level
+        self.recent[level].append((tokens, seconds))
+        self.age = [a + 1 for a in self.age]
+        self.age[level] = 0
+        speed = self.realized(level)
+        if speed is not None and level + 1 < len(self.ladder):
+            if speed < self._estimate(level + 1, level):
+                self._move(level + 1)
+                return
+        if level > 0:
+            self.below_top += 1
+            if self.below_top >= self.retry:
+                self._move(level - 1)
+
+    def _estimate(self, level: int, measured: int) -> float:
+        """Tokens/s expected of ``level``: realized if fresh, else predicted with the step time scaled by the
+        ratio realized/predicted step time observed on the ``measured`` rung."""
+        fresh = self.realized(level)
+        if fresh is not None and self.age[level] <= self.retry + self.window:
+            return fresh
+        steps = self.recent[measured]
+        realized_step = sum(s for _, s in steps) / len(steps)
+        slowdown = realized_step / self.ladder[measured].step_seconds
+        rung = self.ladder[level]
+        return rung.tokens_per_step / (rung.step_seconds * slowdown)
+
+    def _move(self, level: int) -> None:
+        self.level = level
+        self.recent[level].clear()
+        self.below_top = 0
+
+
+@dataclass
+class HardwareFit:
+    """The trees fitted to this machine: a ladder per context bucket, and where the figures came from."""
+
+    fingerprint: dict
+    ladders: list[list[Rung]]
+    buckets: tuple[int, ...] = BUCKETS
+    cache_hit: bool = False
+    probe_seconds: float = 0.0
+
+    def trees(self) -> list:
+        """The fitted tree (first rung) of each bucket, JSON form."""
+        return [ladder[0].tree for ladder in self.ladders]
+
+    def summary(self) -> dict:
+        """JSON-able: machine, and per bucket the fitted tree with its predicted tokens/s and plain decoding's."""
+        rows = []
+        for lo, hi, ladder in zip(self.buckets, list(self.buckets[1:]) + [None], self.ladders):
+            best, plain = ladder[0], ladder[-1]
+            rows.append({"context": f"{lo}-{hi - 1}" if hi else f"{lo}+", "tree": best.tree,
+                         "predicted_tokens_per_step": best.tokens_per_step,
+                         "predicted_tokens_per_second": best.tokens_per_second,
+                         "predicted_plain_tokens_per_second": plain.tokens_per_second,
+                         "ladder": [r.tree for r in ladder]})
+        return {"fingerprint": self.fingerprint, "cache_hit": self.cache_hit, "probe_seconds": self.probe_seconds,
+                "buckets": rows}

@@ -1,0 +1,241 @@
+"""The hardware half of calibration, measured where the model runs, once per machine fingerprint.
+
+:func:`machine_fingerprint` names what the timings depend on (CPU model and ISA class or GPU name,
+threads, dtype, device, torch / transformers versions). :func:`probe` measures, within a time budget
+(a few seconds, with a progress bar): the target's verify-forward latency against tree tokens at two
+cache lengths, each candidate tree's drafting time, and the loop's per-step bookkeeping.
+:func:`load_or_probe` keeps the result under ``<cache dir>/fit/``: a later process on the same
+machine reads it back in milliseconds. A cache file that is corrupt, was written for another machine,
+target, heads or library version, or holds impossible numbers is measured again, never trusted; it is
+written atomically, so an interrupted probe leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .fit import tree_key
+
+FIT_FORMAT = "medusa_lite.fit/1"
+PROBE_CACHE_LENGTHS = (128, 1024)
+PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 48, 64)
+DEFAULT_BUDGET_S = 5.0
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def _cpu_info() -> tuple[str, list[str]]:
+    """(CPU model name, the ISA flags among :data:`_ISA_FLAGS`) from /proc/cpuinfo where there is one."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model in ("", platform.machine(), platform.processor()):
+                model = value.strip()
+            elif key in ("flags", "Features"):
+                flags |= set(value.split())
+    except OSError:
+        pass
+    return model, sorted(f for f in _ISA_FLAGS if f in flags)
+
+
+def machine_fingerprint(device: torch.device | str, dtype: torch.dtype) -> dict:
+    """What a latency measurement depends on. ``isa`` is the kernel class PyTorch dispatches to, which
+    ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` can lower below what the CPU has."""
+    import transformers
+
+    device = torch.device(device)
+    model, flags = _cpu_info()
+    fp = {"device": device.type, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+          "cpu": model, "cpu_flags": flags, "isa": torch.backends.cpu.get_cpu_capability(),
+          "isa_limits": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                   "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
+          "torch": torch.__version__, "transformers": transformers.__version__}
+    if device.type == "cuda":
+        fp["gpu"] = torch.cuda.get_device_name(device)
+    return fp
+
+
+def describe(fp: dict) -> str:
+    """One line naming a fingerprint (for logs and reports)."""
+    where = fp.get("gpu") or f"{fp['cpu']} ({fp['isa']})"
+    return f"{where}, {fp['threads']} thread(s), {fp['dtype']}, torch {fp['torch']}"
+
+
+# ------------------------------------------------------------------------------------- measuring
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
+          max_tokens_per_step: float | None = None) -> dict:
+    """Measure this machine for :func:`medusa_lite.fit.fit_trees`.
+
+    model: a :class:`medusa_lite.MedusaModel`; candidates: the trees (JSON form) whose drafting is timed.
+    Verify latency is measured for 1, 2, 4, ... tree tokens at each of :data:`PROBE_CACHE_LENGTHS`, two
+    timed repeats each (the faster kept), up to the largest candidate; it stops growing where a forward
+    already costs more than ``max_tokens_per_step`` single-token forwards (no tree can pay beyond), and
+    when ``budget_s`` is spent. Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s},
+    "overhead": s, "seconds": s}``.
+    """
+    from tqdm.auto import tqdm
+
+    from .cache import extend_cache, new_cache
+    from .generate import GenerationStats, cache_kwarg, speculative_generate, verify_forward
+    from .tree import build_buffers, chain, parse_tree, tree_nodes
+
+    start = time.perf_counter()
+    target = model.base_model
+    device = model.device
+    vocab = target.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    largest = max([tree_nodes(parse_tree(t)) + 1 for t in candidates] + [2])
+    sizes = [n for n in PROBE_TOKENS if n < largest] + [min(n for n in PROBE_TOKENS + (largest,) if n >= largest)]
+    bar = tqdm(total=len(PROBE_CACHE_LENGTHS) * len(sizes) + 2, desc="medusa_lite: fitting speculation to this machine",
+               disable=not progress, leave=False, file=sys.stderr)
+    kw = cache_kwarg(target)
+    prompt = torch.randint(0, vocab, (16,), generator=gen).to(device)
+
+    # the loop's own per-step bookkeeping: a few steps of plain decoding inside the loop
+    _, stats = speculative_generate(model.base_model, model.drafter([]), prompt, _greedy_config(target),
+                                    max_new_tokens=9)
+    overhead = max((stats.wall_time - stats.target_time) / max(stats.verify_steps, 1), 0.0)
+    bar.update(1)
+
+    latency: dict[int, dict[int, float]] = {}
+    for cache_len in PROBE_CACHE_LENGTHS:
+        cache = new_cache(target)
+        out = target(input_ids=prompt[None], use_cache=True, return_dict=True, output_hidden_states=True, **{kw: cache})
+        extend_cache(cache, cache_len - prompt.numel(), gen)
+        table: dict[int, float] = {}
+        for n in sizes:
+            ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
+            buffers = build_buffers(chain(n - 1), device)
+            times = []
+            for _ in range(3 if not table else 2):  # the very first forward of a cache length is a warm-up
+                stats = GenerationStats()
+                _sync(device)
+                verify_forward(target, stats, {kw: cache}, ids, buffers, cache_len)
+                _sync(device)
+                cache.crop(-n)  # drop the n tokens just appended
+                times.append(stats.target_time)
+            table[n] = min(times[-2:])
+            bar.update(1)
+            if max_tokens_per_step is not None and table[n] > max_tokens_per_step * table[sizes[0]]:
+                break
+            if time.perf_counter() - start > budget_s:
+                break
+        latency[cache_len] = table
+        if time.perf_counter() - start > budget_s:
+            break
+    bar.update(len(PROBE_CACHE_LENGTHS) * len(sizes) - sum(len(t) for t in latency.values()))
+
+    hidden = out.hidden_states[-1][0, -1]  # [H] a real hidden state to draft from
+    draft: dict[str, float] = {}
+    for tree in candidates:
+        drafter = model.drafter(parse_tree(tree, model.config.num_heads))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            drafter(hidden, prompt, 8)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        draft[tree_key(tree)] = statistics.median(times)
+    bar.update(1)
+    bar.close()
+    return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start}
+
+
+def _greedy_config(target):
+    from transformers import GenerationConfig
+    return GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None)
+
+
+# --------------------------------------------------------------------------------------- caching
+def cache_path(key: str) -> Path:
+    from .targets import cache_dir
+    return cache_dir() / "fit" / f"{key[:40]}.json"
+
+
+def fit_key(fingerprint: dict, target_id: str, candidates: list) -> str:
+    """The cache key: machine, target and the candidate trees (their drafting is timed), and the format."""
+    blob = json.dumps({"format": FIT_FORMAT, "machine": fingerprint, "target": target_id,
+                       "candidates": sorted(tree_key(t) for t in candidates)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _digest(measured: dict) -> str:
+    return hashlib.sha256(json.dumps(measured, sort_keys=True).encode()).hexdigest()
+
+
+def check_measured(measured: dict) -> dict:
+    """Validate a probe result read back from JSON (string keys) and return it with int keys; ValueError if
+    anything is missing or impossible (non-finite or non-positive times)."""
+    def seconds(x) -> float:
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"impossible time {x!r}")
+        return float(x)
+
+    latency = {int(c): {int(n): seconds(s) for n, s in t.items()} for c, t in measured["latency"].items()}
+    if not latency or any(not t or 1 not in t or t[1] <= 0 for t in latency.values()):
+        raise ValueError("latency table without a single-token forward")
+    return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
+            "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0))}
+
+
+def read_cached(key: str) -> dict | None:
+    """The cached probe for ``key``, or None when absent, corrupt, foreign or impossible."""
+    path = cache_path(key)
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("format") != FIT_FORMAT or saved.get("key") != key or saved.get("sha256") != _digest(saved["measured"]):
+            return None
+        return check_measured(saved["measured"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def write_cached(key: str, fingerprint: dict, measured: dict) -> Path:
+    """Write atomically (a temporary file renamed into place): readers see the old file or the whole new one."""
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    measured = json.loads(json.dumps(measured))  # the JSON form (string keys) is what the digest covers
+    blob = {"format": FIT_FORMAT, "key": key, "fingerprint": fingerprint, "measured": measured,
+            "sha256": _digest(measured), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(blob, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
+                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None) -> tuple[dict, dict, bool]:
+    """(fingerprint, measured, cache hit): the cached probe for this machine, target and candidates, else a
+    fresh probe (written to the cache)."""
+    fingerprint = machine_fingerprint(model.device, model.dtype)
+    key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True), candidates)
+    if not force:
+        cached = read_cached(key)
+        if cached is not None:
+            return fingerprint, cached, True
+    measured = probe(model, candidates, budget_s=budget_s, progress=progress, max_tokens_per_step=max_tokens_per_step)
+    write_cached(key, fingerprint, measured)
+    return fingerprint, check_measured(json.loads(json.dumps(measured))), False

@@ -1,0 +1,202 @@
+"""Fitting speculation to the hardware: the pure choice on made-up latency tables, the online guard, the
+probe's cache, and exactness of the adaptive path (greedy equality while the guard moves every step)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite import probe as probe_mod
+from medusa_lite.fit import (PLAIN, AcceptanceTable, Candidate, HardwareFit, Rung, SpeedGuard, bucket_of,
+                             fit_trees, latency_at)
+
+SMALL = [[0]]
+MEDIUM = [[0], [1], [0, 0]]
+LARGE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 1]]
+LOOKUP = {"tree": [[0]], "prompt_lookup": 8, "ngram": 3}
+
+
+def _candidates():
+    """Tokens per step grow with the tree, less than its size; the lookup branch pays at long contexts only."""
+    return [Candidate(SMALL, [1.3, 1.3, 1.3], [2, 2, 2], [100, 100, 100]),
+            Candidate(MEDIUM, [1.6, 1.6, 1.6], [4, 4, 4], [100, 100, 100]),
+            Candidate(LARGE, [2.0, 2.0, 2.0], [9, 9, 9], [100, 100, 100]),
+            Candidate(LOOKUP, [1.4, 2.2, 3.5], [6, 8, 9], [100, 100, 100])]
+
+
+def _table(cost, cache_lengths=(128, 1024), tokens=(1, 2, 4, 8, 16)) -> dict:
+    return {c: {n: cost(n, c) for n in tokens} for c in cache_lengths}
+
+
+def test_linear_cost_never_speculates():
+    """bf16 on an AVX2-only CPU: N tokens cost N times one, so no tree can pay (tokens per step < nodes)."""
+    ladders = fit_trees(_candidates(), _table(lambda n, c: 0.05 * n), {}, overhead=0.002)
+    assert [[r.tree for r in ladder] for ladder in ladders] == [[PLAIN]] * 3
+
+
+def test_flat_cost_takes_the_most_tokens():
+    """A GPU-like flat cost: the candidate with the most tokens per step wins, in every bucket."""
+    ladders = fit_trees(_candidates(), _table(lambda n, c: 0.01), {}, overhead=0.0)
+    assert [ladder[0].tree for ladder in ladders] == [LARGE, LOOKUP, LOOKUP]
+    assert all(ladder[-1].tree == PLAIN for ladder in ladders)
+    speeds = [r.tokens_per_second for r in ladders[0]]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_two_token_jump_picks_a_tree_that_clears_it():
+    """fp32 with small-M GEMM packing: 2 tokens cost 1.6x one, then little more; small trees do not pay."""
+    ladders = fit_trees(_candidates(), _table(lambda n, c: 0.086 if n == 1 else 0.138 + 0.002 * n), {}, overhead=0.0)
+    assert ladders[0][0].tree == LARGE
+    assert SMALL not in [r.tree for r in ladders[0]]  # 1.3 tokens for 1.6x the cost
+
+
+def test_drafting_cost_and_context_are_priced():
+    cost = _table(lambda n, c: 0.02 + 0.001 * n + 0.00005 * c)
+    free = fit_trees(_candidates(), cost, {}, overhead=0.0)
+    slow_draft = fit_trees(_candidates(), cost, {json.dumps(LARGE, separators=(",", ":")): 1.0}, overhead=0.0)
+    assert free[0][0].tree == LARGE and slow_draft[0][0].tree != LARGE
+    assert latency_at(cost, 4, 2048) > latency_at(cost, 4, 1024) > latency_at(cost, 4, 128)
+    assert latency_at(cost, 3, 128) == pytest.approx((cost[128][2] + cost[128][4]) / 2)
+
+
+def test_unmeasured_sizes_are_left_out():
+    ladders = fit_trees(_candidates(), _table(lambda n, c: 0.01, tokens=(1, 2, 4)), {}, overhead=0.0)
+    assert all(LARGE not in [r.tree for r in ladder] for ladder in ladders)
+
+
+def test_buckets_and_pooled_figures():
+    assert [bucket_of(n) for n in (0, 255, 256, 1023, 1024, 10**6)] == [0, 0, 1, 1, 2, 2]
+    sparse = Candidate(SMALL, [2.0, 3.0, 1.0], [2, 2, 2], [100, 100, 0])
+    assert sparse.in_bucket(0) == (2.0, 2)
+    assert sparse.in_bucket(2) == (2.5, 2)  # no steps there: the pooled figures
+
+
+def test_acceptance_table_round_trip(tmp_path):
+    table = AcceptanceTable([0, 256, 1024], _candidates(), _candidates()[:2], 1.0, {"prompts": "test"})
+    table.save(tmp_path)
+    again = AcceptanceTable.load(tmp_path)
+    assert again.to_dict() == table.to_dict()
+    assert AcceptanceTable.load(tmp_path / "missing") is None
+    (tmp_path / "acceptance.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="not a medusa_lite.acceptance"):
+        AcceptanceTable.load(tmp_path)
+    with pytest.raises(ValueError, match="tokens_per_step"):
+        Candidate(SMALL, [0.5, 1, 1], [2, 2, 2], [1, 1, 1])
+
+
+# ------------------------------------------------------------------------------------- the guard
+def _ladder():
+    return [Rung(LARGE, 2.0, 0.010), Rung(SMALL, 1.3, 0.008), Rung(PLAIN, 1.0, 0.007)]
+
+
+def test_guard_stays_when_the_prediction_holds():
+    guard = SpeedGuard(_ladder(), window=4, retry=16)
+    for _ in range(50):
+        guard.record(2, 0.010)
+    assert guard.rung() == 0
+
+
+def test_guard_steps_down_to_no_tree_and_retries():
+    guard = SpeedGuard(_ladder(), window=4, retry=16)
+    levels = []
+    for _ in range(40):
+        level = guard.rung()
+        levels.append(level)
+        guard.record(1, 0.010 if level < 2 else 0.007)  # the trees accept nothing: slower than plain decoding
+    assert levels[:4] == [0] * 4 and 2 in levels  # stepped down after one window, reached the root alone
+    assert levels.index(2) <= 8
+    assert 1 in levels[levels.index(2):]  # and tried a tree again after `retry` steps
+
+
+def test_guard_decides_from_past_steps_only():
+    guard = SpeedGuard(_ladder(), window=1, retry=2)
+    before = guard.rung()
+    assert [guard.rung() for _ in range(5)] == [before] * 5  # asking does not move it; only record() does
+
+
+# ------------------------------------------------------------------------- the probe and its cache
+def _hydra_model(seed: int = 0):
+    target = tiny_model("llama", seed=seed)
+    model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
+    random_heads(model, std=0.5, seed=seed)
+    model.acceptance = AcceptanceTable([0, 256, 1024], _candidates())
+    return model
+
+
+def test_probe_is_cached_and_bad_caches_are_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    model = _hydra_model()
+    fit = model.fit_hardware(progress=False)
+    assert not fit.cache_hit and len(fit.ladders) == 3 and fit.fingerprint["isa"]
+    files = list((tmp_path / "fit").glob("*.json"))
+    assert len(files) == 1 and not list((tmp_path / "fit").glob(".probe-*"))
+    assert model.fit_hardware(progress=False).cache_hit is False  # in-memory fit reused as it is
+    assert model.fit_hardware(progress=False, force=True).cache_hit is False
+    other = _hydra_model()
+    assert other.fit_hardware(progress=False).cache_hit  # a new model on the same machine: read back
+
+    saved = json.loads(files[0].read_text())
+    for corrupt in ("not json", json.dumps({**saved, "sha256": "0" * 64}),
+                    json.dumps({**saved, "key": "someone else's"})):
+        files[0].write_text(corrupt)
+        assert not _hydra_model().fit_hardware(progress=False).cache_hit
+        rewritten = json.loads(files[0].read_text())  # measured again and written whole
+        assert rewritten["sha256"] == probe_mod._digest(rewritten["measured"])
+    bad = json.loads(files[0].read_text())
+    bad["measured"]["latency"]["128"]["1"] = -1.0
+    bad["sha256"] = probe_mod._digest(bad["measured"])
+    files[0].write_text(json.dumps(bad))
+    assert not _hydra_model().fit_hardware(progress=False).cache_hit  # impossible numbers are not trusted
+
+
+def test_interrupted_probe_leaves_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _hydra_model().fit_hardware(progress=False)
+    assert not list((tmp_path / "fit").glob("*"))
+
+
+def test_fit_can_be_switched_off(tmp_path, monkeypatch, prompt):
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    model = _hydra_model()
+    model.generate(prompt, max_new_tokens=8, fit=False)
+    assert model.last_stats.fitted is None and not (tmp_path / "fit").exists()
+    model.generate(prompt, max_new_tokens=8)
+    assert model.last_stats.fitted is not None
+
+
+# ------------------------------------------------------------------ exactness of the adaptive path
+def restless_fit(trees) -> HardwareFit:
+    """A fit whose guard moves every step: each lower rung predicted far faster than anything realized, so
+    after every step the guard steps down, and every 2 steps below the top it moves up again."""
+    ladder = [Rung(t, 1.0 + 10.0 * i, 1.0) for i, t in enumerate(trees)]
+    return HardwareFit({}, [ladder, ladder, ladder])
+
+
+ADAPTIVE_TREES = [LARGE, {"dynamic": {"nodes": 6, "depth": 3, "topk": 2, "expand": 2}}, LOOKUP, SMALL, PLAIN]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_equals_plain_while_the_guard_moves(arch):
+    target = tiny_model(arch)
+    model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
+    random_heads(model, std=0.5)
+    model.use_fit(restless_fit(ADAPTIVE_TREES), window=1, retry=2)
+    gen = torch.Generator().manual_seed(2)
+    used = set()
+    for _ in range(3):
+        ids = torch.randint(1, 128, (1, 10), generator=gen)
+        ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+        out = model.generate(ids, max_new_tokens=30, do_sample=False)
+        assert torch.equal(out, ref)
+        used |= set(model.last_stats.fitted["steps_by_tree"])
+    assert len(used) == len(ADAPTIVE_TREES)  # every rung was decoded with
