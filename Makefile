@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast gpu-check install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# on a machine with an NVIDIA GPU (a CUDA build of torch): the CUDA tests and a short CUDA Spec-Bench run (< 8 min)
+gpu-check: $(STAMP)
+	bash .ci/gpu-check
 
 clean:
 	rm -rf $(VENV) .pytest_cache

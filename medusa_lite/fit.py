@@ -310,3 +310,15 @@ class HardwareFit:
                          "ladder": [r.tree for r in ladder]})
         return {"fingerprint": self.fingerprint, "cache_hit": self.cache_hit, "probe_seconds": self.probe_seconds,
                 "buckets": rows}
+
+    def report(self) -> str:
+        """The machine and, per context bucket, the fitted tree and its predicted speed (for logs)."""
+        from .probe import describe
+
+        lines = [f"machine: {describe(self.fingerprint)}; "
+                 + ("fit read from the cache" if self.cache_hit else f"probed in {self.probe_seconds:.1f} s")]
+        for row in self.summary()["buckets"]:
+            lines.append(f"  context {row['context']:>9s}: tree {json.dumps(row['tree'])} -> predicted "
+                         f"{row['predicted_tokens_per_second']:.1f} tok/s (plain decoding "
+                         f"{row['predicted_plain_tokens_per_second']:.1f})")
+        return "\n".join(lines)

@@ -199,7 +199,7 @@ class FittedDrafter:
 
     def report(self) -> dict:
         """Steps per tree and realized tokens/s per bucket (speculative steps only, prefill excluded)."""
-        return {"steps_by_tree": dict(self.steps_by_tree),
+        return {"steps_by_tree": dict(self.steps_by_tree), "realized": [list(r) for r in self.realized],
                 "realized_tokens_per_second": [t / s if s > 0 else None for t, s in self.realized]}
 
 

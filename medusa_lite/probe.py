@@ -239,3 +239,21 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     measured = probe(model, candidates, budget_s=budget_s, progress=progress, max_tokens_per_step=max_tokens_per_step)
     write_cached(key, fingerprint, measured)
     return fingerprint, check_measured(json.loads(json.dumps(measured))), False
+
+
+def native_bf16(device: torch.device | str) -> tuple[bool, str]:
+    """Whether ``device`` runs bf16 matmuls natively, and why: CUDA by its compute capability; a CPU when its
+    flags have AVX-512-BF16 or AMX-BF16 and oneDNN may use them (``ONEDNN_MAX_CPU_ISA`` can forbid it).
+    Elsewhere bf16 GEMMs are emulated and cost several times fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"{torch.cuda.get_device_name(device)}: bf16 {'supported' if ok else 'not supported'}"
+    model, flags = _cpu_info()
+    has = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    allowed = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and torch.backends.cpu.get_cpu_capability() != "AVX2"
+    if has and allowed:
+        return True, f"{model}: {', '.join(has)}"
+    if has:
+        return False, f"{model} has {', '.join(has)} but kernels are limited to {torch.backends.cpu.get_cpu_capability()}"
+    return False, f"{model}: no bf16 matmul instructions (kernel class {torch.backends.cpu.get_cpu_capability()})"

@@ -43,8 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
     p.add_argument("--target", default=None, help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--heads", default=None, help="heads directory (default: the bundled heads, else fresh heads)")
-    p.add_argument("--tree", default=None, help="tree JSON file (default: the heads' calibrated tree)")
+    p.add_argument("--tree", default=None, help="tree JSON file (default: the tree fitted to this machine)")
+    p.add_argument("--no-fit", dest="fit", action="store_false",
+                   help="decode with the heads' stored tree instead of the tree fitted to this machine")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="questions per task (default: all 80)")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated Spec-Bench tasks")
@@ -72,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_model(args: argparse.Namespace) -> tuple[MedusaModel, object, str]:
     """(MedusaModel, tokenizer, description of the heads)."""
     if args.target is None:
-        model, tokenizer = load_default(dtype=args.dtype, heads=args.heads)
+        model, tokenizer = load_default(dtype=args.dtype, device=args.device, heads=args.heads)
         if args.heads is not None:
             heads = str(args.heads)
         elif (PRETRAINED_DIR / "medusa_config.json").is_file():
@@ -80,7 +83,7 @@ def build_model(args: argparse.Namespace) -> tuple[MedusaModel, object, str]:
         else:
             heads = "fresh (untrained, zero-initialised)"
         return model, tokenizer, heads
-    target, tokenizer = load_target(args.target, dtype=args.dtype)
+    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
     if args.heads is not None:
         return MedusaModel.from_pretrained(target, args.heads), tokenizer, str(args.heads)
     return MedusaModel(target, MedusaConfig(num_heads=4)), tokenizer, "fresh (untrained, zero-initialised)"
@@ -146,7 +149,7 @@ def run_question(runners: dict, methods: list[str], model: MedusaModel, counter:
         if method == "medusa":
             stats = model.last_stats
             rec.update(accepted_per_depth=list(stats.accepted_per_depth), verify_steps=stats.verify_steps,
-                       target_time=stats.target_time, overhead_share=stats.overhead_share)
+                       target_time=stats.target_time, overhead_share=stats.overhead_share, fitted=stats.fitted)
         records[method] = rec
     return records
 
@@ -205,13 +208,35 @@ def mismatches(row: dict, methods: list[str], target, ids: torch.Tensor) -> list
             continue
         gap = None
         if pos < len(ref) and pos < len(other):
-            prefix = torch.cat([ids[0], torch.tensor(ref[:pos], dtype=ids.dtype)])[None]
+            prefix = torch.cat([ids[0], torch.tensor(ref[:pos], dtype=ids.dtype, device=ids.device)])[None]
             logits = target(input_ids=prefix, use_cache=False).logits[0, -1].float()
             gap = float(logits[ref[pos]] - logits[other[pos]])
         found.append({"question_id": row["question_id"], "task": row["task"], "method": m,
                       "first_difference": pos, "logit_gap": gap, "plain_tokens": len(ref),
                       "method_tokens": len(other)})
     return found
+
+
+def fit_summary(fit, rows: list[dict]) -> dict:
+    """The fit (machine, tree per context bucket, predicted tok/s) with medusa_lite's realized tok/s in its
+    speculative steps per bucket, and how often each tree was used (the guard may move off the fitted one)."""
+    summary = fit.summary()
+    tokens = [0.0] * len(fit.ladders)
+    seconds = [0.0] * len(fit.ladders)
+    steps: dict[str, int] = {}
+    for r in rows:
+        fitted = r["methods"].get("medusa", {}).get("fitted")
+        if not fitted:
+            continue
+        for b, (t, s) in enumerate(fitted.get("realized", [])):
+            tokens[b] += t
+            seconds[b] += s
+        for tree, n in fitted["steps_by_tree"].items():
+            steps[tree] = steps.get(tree, 0) + n
+    for b, row in enumerate(summary["buckets"]):
+        row["realized_tokens_per_second"] = tokens[b] / seconds[b] if seconds[b] else None
+    summary["steps_by_tree"] = steps
+    return summary
 
 
 # ------------------------------------------------------------------------------------------- save
@@ -236,6 +261,20 @@ def markdown(report: dict) -> str:
             cells += [_fmt(s[m]["exact_match"], "{:.0%}") for m in methods if m != "plain"]
         cells += [f"{sum(s[m]['wall_time'] for m in methods):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    fit = cfg.get("fit")
+    if fit:
+        from medusa_lite.probe import describe
+        lines += ["", f"tree fitted to this machine ({describe(fit['fingerprint'])}), per context bucket:", "",
+                  "| context | fitted tree | predicted tok/s | realized tok/s (speculative steps) | plain predicted tok/s |",
+                  "|---|---|---|---|---|"]
+        for row in fit["buckets"]:
+            lines.append(f"| {row['context']} | `{json.dumps(row['tree'])}` | {row['predicted_tokens_per_second']:.1f} | "
+                         f"{_fmt(row['realized_tokens_per_second'], '{:.1f}')} | "
+                         f"{row['predicted_plain_tokens_per_second']:.1f} |")
+        total = sum(fit["steps_by_tree"].values()) or 1
+        lines += ["", "steps per tree (the guard moves off the fitted tree when it does not pay): "
+                  + "; ".join(f"`{t}` {n / total:.0%}" for t, n in sorted(fit["steps_by_tree"].items(),
+                                                                         key=lambda kv: -kv[1]))]
     if "medusa" in methods:
         depth = max(len(s["medusa"]["acceptance_per_depth"]) for s in report["summary"].values())
         lines += ["", "medusa_lite acceptance per depth (share of verify steps that accepted at least d drafted tokens):",
@@ -325,6 +364,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
         model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))
         model.config.dtype_trees = {}
+    model.fit_enabled = args.fit and not args.tree
+    fit = model.fit_hardware(sample=not greedy) if model.fit_enabled else None
+    if fit is not None:
+        print(fit.report())
     choices = model.tree_for(sample=args.temperature > 0)
     questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
     if not questions:
@@ -334,14 +377,14 @@ def main(argv: list[str] | None = None) -> dict:
     counter = ForwardCounter(target)
 
     # run: warm-up (excluded), then every question with every method
-    warm = chat_prompt(tokenizer, "Hello!")
+    warm = chat_prompt(tokenizer, "Hello!").to(model.device)
     for m in args.methods:
         runners[m](warm)
     rows, diffs = [], []
     start = time.perf_counter()
     bar = tqdm(questions, desc="spec-bench", unit="q")
     for i, q in enumerate(bar):
-        ids = chat_prompt(tokenizer, q.prompt)
+        ids = chat_prompt(tokenizer, q.prompt).to(model.device)
         recs = run_question(runners, args.methods, model, counter, ids, seed=args.seed * 100_003 + q.question_id,
                             order_shift=i)
         rows.append({"question_id": q.question_id, "task": q.task, "prompt_tokens": ids.shape[1], "methods": recs})
@@ -360,10 +403,13 @@ def main(argv: list[str] | None = None) -> dict:
             "decoding": "greedy" if greedy else f"sampling T={args.temperature}", "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "questions_per_task": args.limit or "all",
             "tasks": args.tasks, "turns": "first turn only", "methods": args.methods, "seed": args.seed,
-            "prompt_lookup_num_tokens": args.prompt_lookup_tokens, "tree": tree_json(choices), "tree_nodes": tree_nodes(choices),
+            "prompt_lookup_num_tokens": args.prompt_lookup_tokens,
+            "tree": "fitted to this machine" if fit else tree_json(choices),
+            "tree_nodes": "per context bucket" if fit else tree_nodes(choices),
+            "fit": fit_summary(fit, rows) if fit else None,
             "questions_file": str(args.questions), "threads": torch.get_num_threads(),
             "load_average": [round(x, 2) for x in os.getloadavg()],  # other processes skew timings
-            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "device": args.device,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "command": " ".join(["medusa-lite bench"] + (sys.argv[1:] if argv is None else list(argv))),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -23,6 +23,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--heads", default=None, help="heads directory (default: the bundled heads)")
+    p.add_argument("--no-fit", dest="fit", action="store_false",
+                   help="decode with the heads' stored tree instead of the tree fitted to this machine")
     return p.parse_args()
 
 
@@ -38,6 +40,9 @@ def main() -> None:
     model, tok = medusa_lite.load_default(dtype=args.dtype, heads=args.heads)
     if args.heads is None and not has_bundled_heads():
         print("NOTE: no trained heads ship yet: using fresh (zero-initialised) heads, so expect ~1 token/forward.")
+    model.fit_enabled = args.fit
+    fit = model.fit_hardware() if args.fit else None
+    print(fit.report() if fit else "tree: the heads' stored tree (no hardware fit)")
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     warm = chat_prompt(tok, "Hi")
     model.generate(warm, max_new_tokens=8)  # warm-up, excluded
@@ -56,6 +61,10 @@ def main() -> None:
         print(f"\n[{i}] user: {prompt}\nassistant: {tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)}")
         print(f"    plain {n_ref / t_plain:.1f} tok/s | medusa_lite {n_out / t_medusa:.1f} tok/s | "
               f"{accepted[-1]:.2f} tokens/forward | identical to plain: {same}")
+    if fit is not None:
+        realized = model.last_stats.fitted["realized_tokens_per_second"][0]
+        print(f"\nfitted tree, short contexts: predicted {fit.ladders[0][0].tokens_per_second:.1f} tok/s, "
+              f"realized {realized or 0:.1f} tok/s in the last answer's speculative steps")
     plain_tps = totals["plain"][0] / totals["plain"][1]
     medusa_tps = totals["medusa"][0] / totals["medusa"][1]
     print(f"\nsummary ({args.dtype}, greedy, {args.max_new_tokens} new tokens): plain generate {plain_tps:.1f} tok/s, "

@@ -305,6 +305,31 @@ class Metrics:
                              registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests generating (0 or 1).", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued.", registry=r)
+        # the tree fitted to this machine (medusa_lite.fit): what was chosen, predicted vs realized speed
+        fit_labels = ["decoding", "context"]
+        self.fit_info = Gauge(p + "fit_info", "The tree fitted to this machine per decoding mode and context bucket "
+                              "(value 1; the machine and tree are labels).", fit_labels + ["machine", "tree"], registry=r)
+        self.fit_predicted = Gauge(p + "fit_predicted_tokens_per_second", "Predicted tokens/s of the fitted tree.",
+                                   fit_labels, registry=r)
+        self.fit_plain = Gauge(p + "fit_predicted_plain_tokens_per_second",
+                               "Predicted tokens/s of plain decoding on this machine.", fit_labels, registry=r)
+        self.fit_tokens = Counter(p + "fit_realized_tokens", "Tokens emitted by speculative steps.", fit_labels,
+                                  registry=r)
+        self.fit_seconds = Counter(p + "fit_realized_seconds", "Wall seconds of speculative steps (realized tokens/s "
+                                   "= rate of fit_realized_tokens / rate of this).", fit_labels, registry=r)
+        self._contexts: dict[str, list[str]] = {}
+
+    def record_fit(self, fit, decoding: str) -> None:
+        """Publish a :class:`medusa_lite.fit.HardwareFit` (``decoding``: greedy or sample)."""
+        from medusa_lite.probe import describe
+
+        rows = fit.summary()["buckets"]
+        self._contexts[decoding] = [row["context"] for row in rows]
+        for row in rows:
+            labels = {"decoding": decoding, "context": row["context"]}
+            self.fit_info.labels(**labels, machine=describe(fit.fingerprint), tree=json.dumps(row["tree"])).set(1)
+            self.fit_predicted.labels(**labels).set(row["predicted_tokens_per_second"])
+            self.fit_plain.labels(**labels).set(row["predicted_plain_tokens_per_second"])
 
     def record_spec(self, stats: GenerationStats) -> None:
         self.drafts.inc(stats.verify_steps)
@@ -312,6 +337,16 @@ class Metrics:
         self.accepted.inc(sum(stats.accepted_per_depth))
         for k, n in enumerate(stats.accepted_per_depth):
             self.accepted_per_pos.labels(position=str(k)).inc(n)
+
+    def record_fitted(self, stats: GenerationStats, decoding: str) -> None:
+        """Realized speed of the fitted trees' speculative steps, per context bucket."""
+        contexts = self._contexts.get(decoding)
+        if stats.fitted is None or contexts is None:
+            return
+        for context, (tokens, seconds) in zip(contexts, stats.fitted["realized"]):
+            if tokens:
+                self.fit_tokens.labels(decoding=decoding, context=context).inc(tokens)
+                self.fit_seconds.labels(decoding=decoding, context=context).inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -540,6 +575,7 @@ class Engine:
         m.prompt_tokens.inc(len(job.prompt_ids))
         m.generation_tokens.inc(len(new))
         m.record_spec(stats)
+        m.record_fitted(stats, "sample" if job.gen_kwargs.get("do_sample") else "greedy")
         job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent,
                           "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
                                     "total_tokens": len(job.prompt_ids) + len(new)}})
@@ -807,9 +843,16 @@ def main(argv: list[str] | None = None) -> None:
     # 2. build: model, engine, app
     t0 = time.perf_counter()
     model, tokenizer, name = build_model(settings)
-    log.info("loaded %s (%s, %s, tree of %d nodes) in %.1f s", name, settings.dtype, settings.device,
-             tree_nodes(model.choices) + 1, time.perf_counter() - t0)
+    log.info("loaded %s (%s, %s) in %.1f s", name, settings.dtype, settings.device, time.perf_counter() - t0)
     metrics = Metrics()
+    for decoding in ("greedy", "sample"):  # fit the trees to this machine now, not on the first request
+        fit = model.fit_hardware(sample=decoding == "sample")
+        if fit is None:
+            log.info("tree: the heads' stored tree, %d nodes (no acceptance table: no hardware fit)",
+                     tree_nodes(model.choices) + 1)
+            break
+        log.info("tree fitted for %s decoding:\n%s", decoding, fit.report())
+        metrics.record_fit(fit, decoding)
     engine = Engine(model, tokenizer, metrics, settings.max_queue)
     app = create_app(engine, metrics, settings, name)
     # 3. run until SIGINT / SIGTERM; in-flight requests get shutdown_timeout seconds to finish

@@ -36,13 +36,13 @@ def exact_distribution(model: MedusaModel, **gen) -> dict[tuple[int, ...], float
     """P(x1..x3) = prod_i p(x_i | prompt, x_<i), each p after the same warpers plain sampling uses."""
     config, _ = model.base_model._prepare_generation_config(None, do_sample=True, **gen)
     warpers = build_warpers(config)
-    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)))  # [V^3, 3]
-    ids = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)  # [S, L+3]
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=NEW)), device=model.device)  # [V^3, 3]
+    ids = torch.cat([PROMPT.to(model.device).expand(len(seqs), -1), seqs], dim=1)  # [S, L+3]
     with torch.no_grad():
         logits = model.base_model(ids).logits[:, PROMPT.shape[1] - 1:-1]  # [S, 3, V]
     probs = target_probs(logits.reshape(-1, VOCAB), warpers).reshape(len(seqs), NEW, VOCAB)
     p = probs.gather(-1, seqs[..., None]).squeeze(-1).double().prod(-1)  # [S]
-    return {tuple(s.tolist()): float(q) for s, q in zip(seqs, p)}
+    return {tuple(s.tolist()): float(q) for s, q in zip(seqs.cpu(), p.cpu())}
 
 
 def sample_counts(model: MedusaModel, n: int, seed: int = 0, **gen) -> Counter:
@@ -52,7 +52,8 @@ def sample_counts(model: MedusaModel, n: int, seed: int = 0, **gen) -> Counter:
         # one token more than scored: after the prefill token the remaining budget of 3 lets the step use
         # the tree's depth 2 (a depth-2 path accepted, rejected at depth 2, bonus after it); the first
         # NEW tokens of an exact sampler are exactly distributed
-        out = model.generate(PROMPT, max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)[:, :-1]
+        out = model.generate(PROMPT.to(model.device), max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None,
+                             **gen)[:, :-1]
         counts[tuple(out[0, PROMPT.shape[1]:].tolist())] += 1
     return counts
 

@@ -67,7 +67,8 @@ class TrainConfig:
     micro_batch_size: int = 4             # windows per rank per micro step
     grad_accum: int = 1
     grad_clip: float = 1.0
-    precision: str = "bf16"               # 'bf16' (target bf16, heads fp32 + bf16 autocast) or 'fp32'
+    precision: str = "auto"               # 'bf16' (target bf16, heads fp32 + bf16 autocast), 'fp32', or 'auto':
+                                          # bf16 where the hardware runs bf16 matmuls natively, else fp32
     cache_features: bool = True           # precompute the target's final-norm hidden states once
     draft_vocab: int | None = None        # heads propose only the N most frequent training tokens (train and
                                           # decode read N lm_head rows instead of all: speed; stored in the heads)
@@ -89,8 +90,8 @@ class TrainConfig:
             raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
         if self.head_type not in ("medusa", "hydra"):
             raise ValueError(f"head_type must be 'medusa' or 'hydra', got {self.head_type!r}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"precision must be 'bf16' or 'fp32', got {self.precision!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         for name in ("num_heads", "num_layers", "seq_len", "max_steps", "micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -524,6 +525,17 @@ def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torc
     return h, teacher, weights, ids
 
 
+def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
+    """``precision: auto`` -> 'bf16' where ``device`` runs bf16 matmuls natively, else 'fp32' (on a CPU without
+    bf16 instructions a bf16 forward costs several fp32 ones); an explicit choice is kept. Returns (precision, why)."""
+    from medusa_lite.probe import native_bf16
+
+    if requested != "auto":
+        return requested, "set in the config"
+    native, why = native_bf16(device)
+    return ("bf16" if native else "fp32"), why
+
+
 def autocast(cfg: TrainConfig, rt: Runtime):
     return torch.autocast(rt.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
@@ -724,6 +736,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    requested = cfg.precision
+    cfg.precision, why = resolve_precision(cfg.precision, rt.device)
+    log0(rt, f"precision: {cfg.precision}" + (f" (auto: {why})" if requested == "auto" else ""))
     log0(rt, "config: " + json.dumps(dataclasses.asdict(cfg)))
     # --- build
     model, tokenizer = build_model(cfg, rt)
