@@ -293,6 +293,8 @@ class HardwareFit:
     buckets: tuple[int, ...] = BUCKETS
     cache_hit: bool = False
     probe_seconds: float = 0.0
+    packed_from: int = 0     # verify forwards of this many tree tokens and more (up to the packed rows) use
+                             # prepacked GEMM (medusa_lite.kernels); 0: the stock kernels throughout
 
     def trees(self) -> list:
         """The fitted tree (first rung) of each bucket, JSON form."""
@@ -309,14 +311,15 @@ class HardwareFit:
                          "predicted_plain_tokens_per_second": plain.tokens_per_second,
                          "ladder": [r.tree for r in ladder]})
         return {"fingerprint": self.fingerprint, "cache_hit": self.cache_hit, "probe_seconds": self.probe_seconds,
-                "buckets": rows}
+                "packed_verify_from_tokens": self.packed_from, "buckets": rows}
 
     def report(self) -> str:
         """The machine and, per context bucket, the fitted tree and its predicted speed (for logs)."""
         from .probe import describe
 
         lines = [f"machine: {describe(self.fingerprint)}; "
-                 + ("fit read from the cache" if self.cache_hit else f"probed in {self.probe_seconds:.1f} s")]
+                 + ("fit read from the cache" if self.cache_hit else f"probed in {self.probe_seconds:.1f} s")
+                 + (f"; packed GEMM for verify forwards of {self.packed_from}+ tokens" if self.packed_from else "")]
         for row in self.summary()["buckets"]:
             lines.append(f"  context {row['context']:>9s}: tree {json.dumps(row['tree'])} -> predicted "
                          f"{row['predicted_tokens_per_second']:.1f} tok/s (plain decoding "

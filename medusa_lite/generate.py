@@ -8,6 +8,7 @@ token (the choice at the last accepted node) becomes the next root.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -223,14 +224,17 @@ def _forward(target, stats: GenerationStats, cache_arg: dict, **kwargs):
 
 
 def verify_forward(target, stats: GenerationStats, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers,
-                   cache_len: int):
+                   cache_len: int, kernels=None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``.
 
     tokens: [N] node tokens. The cache grows by N entries (compact it with ``cache.keep_accepted``).
+    ``kernels``: a :class:`medusa_lite.kernels.VerifyKernels` (packed GEMM for the sizes where it is faster).
     """
     dtype = target.get_output_embeddings().weight.dtype
-    return _forward(target, stats, cache_arg, input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
-                    attention_mask=attention_bias(buffers, cache_len, dtype))
+    with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+        return _forward(target, stats, cache_arg, input_ids=tokens[None],
+                        position_ids=(cache_len + buffers.depths)[None],
+                        attention_mask=attention_bias(buffers, cache_len, dtype))
 
 
 def context_length(config) -> int | None:
@@ -255,11 +259,13 @@ def speculative_generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     generator: torch.Generator | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    kernels=None,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Generate after ``prompt`` ([L] long, no padding). Returns (new tokens [n] long, stats).
 
     ``on_step(tokens, seconds)``: called after every verify step with the tokens it emitted (accepted +
     bonus) and its wall time (drafting, verification, cache commit): how a fitted drafter's guard learns.
+    ``kernels``: :class:`medusa_lite.kernels.VerifyKernels` for the verify forwards (None: the stock kernels).
     """
     start = time.perf_counter()
     stats = GenerationStats()
@@ -290,7 +296,7 @@ def speculative_generate(
         if limit is not None:
             max_depth = min(max_depth, limit - cache_len - 1)
         tokens, buffers, proposals = draft(hidden, torch.tensor(stopper.ids, device=device), max_depth)  # [N], root first
-        out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len)
+        out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len, kernels)
         if config.do_sample:
             logits = out.logits[0]  # [N, V]; only the walked nodes' rows are processed
 

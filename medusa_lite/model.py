@@ -101,6 +101,7 @@ class MedusaModel(nn.Module):
         self.fit_enabled = os.environ.get("MEDUSA_LITE_FIT", "1").lower() not in ("0", "off", "false", "no")
         self._fits: dict[tuple, HardwareFit] = {}
         self._guards: dict[tuple, list[SpeedGuard]] = {}
+        self._kernels: dict[tuple, object] = {}  # verify kernels (medusa_lite.kernels) the probe found faster
         if freeze:
             base_model.requires_grad_(False)
             base_model.eval()
@@ -354,20 +355,25 @@ class MedusaModel(nn.Module):
         candidates = self.acceptance.candidates(sample)
         trees = [c.tree for c in candidates if c.tree != []]
         most = max(max(c.tokens_per_step) for c in candidates)
-        fingerprint, measured, hit = load_or_probe(self, trees, force=force, progress=progress,
-                                                   budget_s=budget_s or DEFAULT_BUDGET_S, max_tokens_per_step=most)
+        fingerprint, measured, hit, kernels = load_or_probe(self, trees, force=force, progress=progress,
+                                                            budget_s=budget_s or DEFAULT_BUDGET_S,
+                                                            max_tokens_per_step=most)
         ladders = fit_trees(candidates, measured["latency"], measured["draft"], measured["overhead"],
                             tuple(self.acceptance.buckets))
-        fit = HardwareFit(fingerprint, ladders, tuple(self.acceptance.buckets), hit, measured["seconds"])
-        self.use_fit(fit, sample)
+        fit = HardwareFit(fingerprint, ladders, tuple(self.acceptance.buckets), hit, measured["seconds"],
+                          measured["packed_from"])
+        self.use_fit(fit, sample, kernels=kernels)
         return fit
 
-    def use_fit(self, fit: HardwareFit, sample: bool = False, *, window: int = 8, retry: int = 64) -> None:
-        """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test) and
-        fresh guards of the given ``window`` and ``retry`` (see :class:`medusa_lite.fit.SpeedGuard`)."""
+    def use_fit(self, fit: HardwareFit, sample: bool = False, *, window: int = 8, retry: int = 64,
+                kernels=None) -> None:
+        """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), fresh
+        guards of the given ``window`` and ``retry`` (see :class:`medusa_lite.fit.SpeedGuard`) and the verify
+        ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`, None: the stock ones)."""
         key = (sample, self.dtype, self.device)
         self._fits[key] = fit
         self._guards[key] = [SpeedGuard(ladder, window=window, retry=retry) for ladder in fit.ladders]
+        self._kernels[key] = kernels
 
     def _fitted_drafter(self, sample: bool, sampler: DraftSampler | None) -> FittedDrafter | None:
         """The drafter over the fitted ladders (guards kept across calls), or None when fitting is off or impossible."""
@@ -442,7 +448,8 @@ class MedusaModel(nn.Module):
         try:
             new, stats = speculative_generate(
                 self.base_model, drafter, prompt, config, max_new_tokens=max_new, streamer=streamer,
-                stopping_criteria=criteria, generator=generator, on_step=on_step)
+                stopping_criteria=criteria, generator=generator, on_step=on_step,
+                kernels=self._kernels.get((config.do_sample, self.dtype, self.device)) if on_step else None)
         finally:
             if streamer is not None:
                 streamer.end()

@@ -12,6 +12,7 @@ written atomically, so an interrupted probe leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -81,15 +82,18 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
-          max_tokens_per_step: float | None = None) -> dict:
+          max_tokens_per_step: float | None = None, packed=None) -> dict:
     """Measure this machine for :func:`medusa_lite.fit.fit_trees`.
 
     model: a :class:`medusa_lite.MedusaModel`; candidates: the trees (JSON form) whose drafting is timed.
     Verify latency is measured for 1, 2, 4, ... tree tokens at each of :data:`PROBE_CACHE_LENGTHS`, two
     timed repeats each (the faster kept), up to the largest candidate; it stops growing where a forward
     already costs more than ``max_tokens_per_step`` single-token forwards (no tree can pay beyond), and
-    when ``budget_s`` is spent. Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s},
-    "overhead": s, "seconds": s}``.
+    when ``budget_s`` is spent. With ``packed`` (:class:`medusa_lite.kernels.PackedLinears`) the sizes it
+    covers are timed through it too; ``"packed_from"`` is then the smallest size from which it was faster
+    at every larger size it covers (0: never), and the latency table holds the faster of the two.
+    Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "overhead": s, "seconds": s,
+    "packed_from": n}``.
     """
     from tqdm.auto import tqdm
 
@@ -116,6 +120,20 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     bar.update(1)
 
     latency: dict[int, dict[int, float]] = {}
+    packed_wins: dict[int, bool] = {}  # tree tokens -> packed faster at every cache length so far
+
+    def timed(cache, ids, buffers, cache_len, kernel, repeats) -> float:
+        times = []
+        for _ in range(repeats):
+            stats = GenerationStats()
+            _sync(device)
+            with kernel if kernel is not None else contextlib.nullcontext():
+                verify_forward(target, stats, {kw: cache}, ids, buffers, cache_len)
+            _sync(device)
+            cache.crop(-ids.numel())  # drop the tokens just appended
+            times.append(stats.target_time)
+        return min(times[-2:])
+
     for cache_len in PROBE_CACHE_LENGTHS:
         cache = new_cache(target)
         out = target(input_ids=prompt[None], use_cache=True, return_dict=True, output_hidden_states=True, **{kw: cache})
@@ -124,15 +142,11 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
         for n in sizes:
             ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
             buffers = build_buffers(chain(n - 1), device)
-            times = []
-            for _ in range(3 if not table else 2):  # the very first forward of a cache length is a warm-up
-                stats = GenerationStats()
-                _sync(device)
-                verify_forward(target, stats, {kw: cache}, ids, buffers, cache_len)
-                _sync(device)
-                cache.crop(-n)  # drop the n tokens just appended
-                times.append(stats.target_time)
-            table[n] = min(times[-2:])
+            table[n] = timed(cache, ids, buffers, cache_len, None, 3 if not table else 2)  # first: + a warm-up
+            if packed is not None and 1 < n <= packed.rows:
+                fast = timed(cache, ids, buffers, cache_len, packed, 3)
+                packed_wins[n] = packed_wins.get(n, True) and fast < table[n]
+                table[n] = min(table[n], fast)
             bar.update(1)
             if max_tokens_per_step is not None and table[n] > max_tokens_per_step * table[sizes[0]]:
                 break
@@ -156,7 +170,13 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
         draft[tree_key(tree)] = statistics.median(times)
     bar.update(1)
     bar.close()
-    return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start}
+    packed_from = 0
+    for n in sorted(packed_wins, reverse=True):  # the packed path from the smallest size that wins up to its rows
+        if not packed_wins[n]:
+            break
+        packed_from = n
+    return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start,
+            "packed_from": packed_from}
 
 
 def _greedy_config(target):
@@ -192,8 +212,12 @@ def check_measured(measured: dict) -> dict:
     latency = {int(c): {int(n): seconds(s) for n, s in t.items()} for c, t in measured["latency"].items()}
     if not latency or any(not t or 1 not in t or t[1] <= 0 for t in latency.values()):
         raise ValueError("latency table without a single-token forward")
+    packed_from = measured.get("packed_from", 0)
+    if not isinstance(packed_from, int) or packed_from < 0:
+        raise ValueError(f"impossible packed_from {packed_from!r}")
     return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
-            "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0))}
+            "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0)),
+            "packed_from": packed_from}
 
 
 def read_cached(key: str) -> dict | None:
@@ -227,18 +251,28 @@ def write_cached(key: str, fingerprint: dict, measured: dict) -> Path:
 
 
 def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
-                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None) -> tuple[dict, dict, bool]:
-    """(fingerprint, measured, cache hit): the cached probe for this machine, target and candidates, else a
-    fresh probe (written to the cache)."""
+                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None):
+    """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
+    candidates, else a fresh probe (written to the cache). The kernels are the packed linears
+    (:mod:`medusa_lite.kernels`) where they were measured faster, packed once per process."""
+    from .kernels import PackedLinears, VerifyKernels, packing_available
+
     fingerprint = machine_fingerprint(model.device, model.dtype)
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True), candidates)
+    measured, hit, packed = None, False, None
     if not force:
-        cached = read_cached(key)
-        if cached is not None:
-            return fingerprint, cached, True
-    measured = probe(model, candidates, budget_s=budget_s, progress=progress, max_tokens_per_step=max_tokens_per_step)
-    write_cached(key, fingerprint, measured)
-    return fingerprint, check_measured(json.loads(json.dumps(measured))), False
+        measured = read_cached(key)
+        hit = measured is not None
+    if measured is None:
+        packed = PackedLinears(model.base_model) if packing_available(model.base_model) else None
+        measured = probe(model, candidates, budget_s=budget_s, progress=progress,
+                         max_tokens_per_step=max_tokens_per_step, packed=packed)
+        write_cached(key, fingerprint, measured)
+        measured = check_measured(json.loads(json.dumps(measured)))
+    if not measured["packed_from"]:
+        return fingerprint, measured, hit, None
+    packed = packed or PackedLinears(model.base_model)
+    return fingerprint, measured, hit, VerifyKernels(packed, measured["packed_from"])
 
 
 def native_bf16(device: torch.device | str) -> tuple[bool, str]:

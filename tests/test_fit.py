@@ -200,3 +200,37 @@ def test_greedy_equals_plain_while_the_guard_moves(arch):
         assert torch.equal(out, ref)
         used |= set(model.last_stats.fitted["steps_by_tree"])
     assert len(used) == len(ADAPTIVE_TREES)  # every rung was decoded with
+
+
+# ------------------------------------------------------------------------------ packed verification
+def test_packed_linears_match_linear():
+    from medusa_lite.kernels import PackedLinears
+
+    target = tiny_model("llama")
+    packed = PackedLinears(target, rows=4)
+    layer = target.model.layers[0].mlp.up_proj
+    for m in (1, 2, 3, 4, 6):
+        x = torch.randn(1, m, layer.in_features)
+        with packed:
+            y = layer(x)
+        ref = torch.nn.functional.linear(x, layer.weight)
+        assert y.shape == ref.shape
+        assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
+        if m == 1 or m > 4:
+            assert torch.equal(y, ref)  # outside 2..rows the stock kernel runs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_equals_plain_with_packed_verify(arch):
+    from medusa_lite.kernels import PackedLinears, VerifyKernels
+
+    target = tiny_model(arch)
+    model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
+    random_heads(model, std=0.5)
+    kernels = VerifyKernels(PackedLinears(target, rows=8), first=2)
+    model.use_fit(restless_fit(ADAPTIVE_TREES), window=1, retry=2, kernels=kernels)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.randint(1, 128, (1, 10), generator=gen)
+        ref = target.generate(ids, max_new_tokens=30, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=30, do_sample=False), ref)
