@@ -74,12 +74,18 @@ class PackedLinears(TorchFunctionMode):
 
 
 class VerifyKernels:
-    """Which verify forwards take the packed path: those of ``first`` .. ``packed.rows`` tree tokens (where
-    the probe measured it faster than the stock kernels)."""
+    """Which verify forwards take the packed path: those of ``first`` .. ``rows`` tree tokens (where the probe
+    measured it faster than the stock kernels). The weights are packed on first use (a one-time cost per
+    process), or ``packed`` is reused (the probe's own)."""
 
-    def __init__(self, packed: PackedLinears, first: int):
-        self.packed, self.first = packed, first
+    def __init__(self, target, first: int, rows: int = PACKED_ROWS, packed: PackedLinears | None = None):
+        self.target, self.first, self.rows = target, first, rows
+        self._packed = packed
 
     def context(self, tokens: int):
         """A context manager for a verify forward of ``tokens`` tree tokens."""
-        return self.packed if self.first <= tokens <= self.packed.rows else contextlib.nullcontext()
+        if not self.first <= tokens <= self.rows:
+            return contextlib.nullcontext()
+        if self._packed is None:
+            self._packed = PackedLinears(self.target, self.rows)
+        return self._packed

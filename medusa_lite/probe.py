@@ -271,8 +271,7 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
         measured = check_measured(json.loads(json.dumps(measured)))
     if not measured["packed_from"]:
         return fingerprint, measured, hit, None
-    packed = packed or PackedLinears(model.base_model)
-    return fingerprint, measured, hit, VerifyKernels(packed, measured["packed_from"])
+    return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], packed=packed)
 
 
 def native_bf16(device: torch.device | str) -> tuple[bool, str]:

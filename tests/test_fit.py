@@ -222,12 +222,12 @@ def test_packed_linears_match_linear():
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_greedy_equals_plain_with_packed_verify(arch):
-    from medusa_lite.kernels import PackedLinears, VerifyKernels
+    from medusa_lite.kernels import VerifyKernels
 
     target = tiny_model(arch)
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
-    kernels = VerifyKernels(PackedLinears(target, rows=8), first=2)
+    kernels = VerifyKernels(target, first=2, rows=8)
     model.use_fit(restless_fit(ADAPTIVE_TREES), window=1, retry=2, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
