@@ -18,7 +18,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -107,8 +106,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     vocab = target.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(0)
     largest = max([tree_nodes(parse_tree(t)) + 1 for t in candidates] + [2])
-    sizes = [n for n in PROBE_TOKENS if n < largest] + [min(n for n in PROBE_TOKENS + (largest,) if n >= largest)]
-    bar = tqdm(total=len(PROBE_CACHE_LENGTHS) * len(sizes) + 2, desc="medusa_lite: fitting speculation to this machine",
+    sizes = [n for n in PROBE_TOKENS if n < largest] + [next((n for n in PROBE_TOKENS if n >= largest), largest)]
+    bar = tqdm(total=len(sizes) + 4 + 2, desc="medusa_lite: fitting speculation to this machine",
                disable=not progress, leave=False, file=sys.stderr)
     kw = cache_kwarg(target)
     prompt = torch.randint(0, vocab, (16,), generator=gen).to(device)
@@ -134,49 +133,55 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
             times.append(stats.target_time)
         return min(times[-2:])
 
-    for cache_len in PROBE_CACHE_LENGTHS:
+    phases = {"overhead": time.perf_counter() - start}
+    for i, cache_len in enumerate(PROBE_CACHE_LENGTHS):
         cache = new_cache(target)
         out = target(input_ids=prompt[None], use_cache=True, return_dict=True, output_hidden_states=True, **{kw: cache})
         extend_cache(cache, cache_len - prompt.numel(), gen)
+        # the first cache length at every size; longer ones at a few (attention's growth is smooth in tokens)
+        todo = sizes if i == 0 else [n for n in latency[PROBE_CACHE_LENGTHS[0]] if n in (1, 4, 16) or
+                                     n == max(latency[PROBE_CACHE_LENGTHS[0]])]
         table: dict[int, float] = {}
-        for n in sizes:
+        for n in todo:
             ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
             buffers = build_buffers(chain(n - 1), device)
             table[n] = timed(cache, ids, buffers, cache_len, None, 3 if not table else 2)  # first: + a warm-up
-            if packed is not None and 1 < n <= packed.rows:
-                fast = timed(cache, ids, buffers, cache_len, packed, 3)
-                packed_wins[n] = packed_wins.get(n, True) and fast < table[n]
+            if packed is not None and 1 < n <= packed.rows and packed_wins.get(n, True):
+                fast = timed(cache, ids, buffers, cache_len, packed, 3 if n == 2 else 2)
+                packed_wins[n] = fast < table[n]
                 table[n] = min(table[n], fast)
             bar.update(1)
-            if max_tokens_per_step is not None and table[n] > max_tokens_per_step * table[sizes[0]]:
+            if max_tokens_per_step is not None and table[n] > max_tokens_per_step * table[todo[0]]:
                 break
             if time.perf_counter() - start > budget_s:
                 break
         latency[cache_len] = table
         if time.perf_counter() - start > budget_s:
             break
-    bar.update(len(PROBE_CACHE_LENGTHS) * len(sizes) - sum(len(t) for t in latency.values()))
+    bar.update(bar.total - 1 - bar.n)
+    phases["latency"] = time.perf_counter() - start - phases["overhead"]
 
     hidden = out.hidden_states[-1][0, -1]  # [H] a real hidden state to draft from
     draft: dict[str, float] = {}
     for tree in candidates:
         drafter = model.drafter(parse_tree(tree, model.config.num_heads))
         times = []
-        for _ in range(3):
+        for _ in range(2):
             t0 = time.perf_counter()
             drafter(hidden, prompt, 8)
             _sync(device)
             times.append(time.perf_counter() - t0)
-        draft[tree_key(tree)] = statistics.median(times)
+        draft[tree_key(tree)] = min(times)
     bar.update(1)
     bar.close()
+    phases["drafting"] = time.perf_counter() - start - phases["overhead"] - phases["latency"]
     packed_from = 0
     for n in sorted(packed_wins, reverse=True):  # the packed path from the smallest size that wins up to its rows
         if not packed_wins[n]:
             break
         packed_from = n
     return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start,
-            "packed_from": packed_from}
+            "packed_from": packed_from, "phases": phases}
 
 
 def _greedy_config(target):
