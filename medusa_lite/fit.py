@@ -217,11 +217,12 @@ class SpeedGuard:
     """Checks a bucket's ladder against realized speed while decoding and moves along it.
 
     Starts on the first rung (the fitted tree). After ``window`` steps on a rung, its realized tokens/s
-    (tokens emitted / wall seconds of those steps) is compared with the next rung down: with that rung's own
-    realized speed when it was measured recently, else with its prediction scaled by how much slower than
-    predicted this machine's steps are running now. If the lower rung is faster, the guard steps down
-    (down to the root alone: no speculation). Every ``retry`` steps below the top it tries one rung up
-    again, for ``window`` steps, so a tree that stops paying for a while (a busy machine, hard text) is
+    (tokens emitted / wall seconds of those steps) is compared with every rung below it: with a rung's own
+    realized speed when it was measured recently, else with its prediction corrected by what the current
+    rung showed, both in time (steps running slower than predicted: a busy machine) and in acceptance
+    (fewer drafted tokens accepted than the table says: harder text than the calibration's). The guard
+    moves to the fastest of them, down to the root alone (no speculation). Every ``retry`` steps below
+    the top it tries one rung up again, for ``window`` steps, so a tree that stopped paying for a while is
     picked up again when it pays.
 
     Exactness: :meth:`rung` depends only on steps already finished (their token counts and durations),
@@ -237,7 +238,7 @@ class SpeedGuard:
         self.level = 0
         self.recent = [deque(maxlen=window) for _ in ladder]  # (tokens, seconds) of the last steps per rung
         self.age = [math.inf for _ in ladder]                  # steps since a rung's figures were taken
-        self.below_top = 0                                     # steps since the last move up
+        self.below_top = 0                                     # steps since the last move
 
     def rung(self) -> int:
         """The rung for the next step (decided by past steps only)."""
@@ -257,31 +258,45 @@ class SpeedGuard:
         self.age = [a + 1 for a in self.age]
         self.age[level] = 0
         speed = self.realized(level)
-        if speed is not None and level + 1 < len(self.ladder):
-            if speed < self._estimate(level + 1, level):
-                self._move(level + 1)
+        if speed is not None:
+            best, best_speed = level, speed
+            for other in range(level + 1, len(self.ladder)):
+                estimate = self.estimate(other, level)
+                if estimate > best_speed:
+                    best, best_speed = other, estimate
+            if best != level:
+                self._move(best)
                 return
         if level > 0:
             self.below_top += 1
             if self.below_top >= self.retry:
                 self._move(level - 1)
 
-    def _estimate(self, level: int, measured: int) -> float:
-        """Tokens/s expected of ``level``: realized if fresh, else predicted with the step time scaled by the
-        ratio realized/predicted step time observed on the ``measured`` rung."""
+    def estimate(self, level: int, measured: int) -> float:
+        """Tokens/s expected of ``level``: realized if fresh, else its prediction corrected by the ``measured``
+        rung's realized step time (time factor) and realized drafted tokens per step (acceptance factor)."""
         fresh = self.realized(level)
         if fresh is not None and self.age[level] <= self.retry + self.window:
             return fresh
-        steps = self.recent[measured]
-        realized_step = sum(s for _, s in steps) / len(steps)
-        slowdown = realized_step / self.ladder[measured].step_seconds
+        steps, seen = self.recent[measured], self.ladder[measured]
+        slowdown = (sum(s for _, s in steps) / len(steps)) / seen.step_seconds
+        drafted = sum(t for t, _ in steps) / len(steps) - 1.0  # accepted drafted tokens per step
+        acceptance = min(drafted / (seen.tokens_per_step - 1.0), 1.0) if seen.tokens_per_step > 1.0 else 1.0
         rung = self.ladder[level]
-        return rung.tokens_per_step / (rung.step_seconds * slowdown)
+        return (1.0 + max(acceptance, 0.0) * (rung.tokens_per_step - 1.0)) / (rung.step_seconds * slowdown)
 
     def _move(self, level: int) -> None:
         self.level = level
         self.recent[level].clear()
         self.below_top = 0
+
+
+class CyclingGuard(SpeedGuard):
+    """A guard that moves one rung down after every step, wrapping around: every tree of the ladder in turn,
+    whatever the timings. For tests of exactness across tree changes (a choice that depends on the past only)."""
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.level = (self.level + 1) % len(self.ladder)
 
 
 @dataclass

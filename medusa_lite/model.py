@@ -365,14 +365,13 @@ class MedusaModel(nn.Module):
         self.use_fit(fit, sample, kernels=kernels)
         return fit
 
-    def use_fit(self, fit: HardwareFit, sample: bool = False, *, window: int = 8, retry: int = 64,
-                kernels=None) -> None:
-        """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), fresh
-        guards of the given ``window`` and ``retry`` (see :class:`medusa_lite.fit.SpeedGuard`) and the verify
-        ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`, None: the stock ones)."""
+    def use_fit(self, fit: HardwareFit, sample: bool = False, *, guard=SpeedGuard, kernels=None) -> None:
+        """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), a fresh
+        ``guard(ladder)`` per bucket (:class:`medusa_lite.fit.SpeedGuard`, or a ``functools.partial`` of it with
+        another window) and the verify ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`; None: stock)."""
         key = (sample, self.dtype, self.device)
         self._fits[key] = fit
-        self._guards[key] = [SpeedGuard(ladder, window=window, retry=retry) for ladder in fit.ladders]
+        self._guards[key] = [guard(ladder) for ladder in fit.ladders]
         self._kernels[key] = kernels
 
     def _fitted_drafter(self, sample: bool, sampler: DraftSampler | None) -> FittedDrafter | None:

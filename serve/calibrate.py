@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "tree's tokens per step by context length, greedy replayed and sampled), from which "
                         "generate fits the tree to whatever machine it runs on; no latency is measured")
     p.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of the table's sampled runs")
+    p.add_argument("--sample-prompts", type=int, default=None,
+                   help="run the table's sampled candidates after this many of the prompts (default: all)")
     p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
     args = p.parse_args(argv)
     if max(args.latency_tokens) < max(args.sizes) + 1:
@@ -221,7 +223,7 @@ def acceptance_table(model, sequences, acc, questions, args):
         rows.append(Candidate(tree=tree, **r["by_bucket"]))
     sampled = []
     if args.sample_temperature > 0:
-        prompts = [ids[:start] for ids, start in sequences]
+        prompts = [ids[:start] for ids, start in sequences][:args.sample_prompts]
         trees = [parse_tree(t, model.config.num_heads) for t in sample]
         measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed)
         sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
@@ -229,6 +231,7 @@ def acceptance_table(model, sequences, acc, questions, args):
             "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
             "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
             "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
+            "sampled_prompts": len(sequences[:args.sample_prompts]) if sampled else 0,
             "command": "medusa-lite calibrate --acceptance " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
     for c in rows[:3] + sampled[:2]:
         print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")

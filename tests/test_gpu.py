@@ -10,6 +10,7 @@ from test_fit import ADAPTIVE_TREES, restless_fit
 from test_sampling import N_SAMPLES, _support, exact_distribution, make_model, sample_counts, tv_bound, tv_distance
 
 from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.fit import CyclingGuard
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,7 +22,7 @@ def test_greedy_equals_plain_on_cuda(dtype, tree):
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
     if tree == "adaptive":
-        model.use_fit(restless_fit(ADAPTIVE_TREES), window=1, retry=2)
+        model.use_fit(restless_fit(ADAPTIVE_TREES), guard=CyclingGuard)
     gen = torch.Generator().manual_seed(2)
     for _ in range(3):
         ids = torch.randint(1, 128, (1, 10), generator=gen).cuda()
