@@ -223,7 +223,9 @@ def acceptance_table(model, sequences, acc, questions, args):
         rows.append(Candidate(tree=tree, **r["by_bucket"]))
     sampled = []
     if args.sample_temperature > 0:
-        prompts = [ids[:start] for ids, start in sequences][:args.sample_prompts]
+        prompts = [ids[:start] for ids, start in sequences]
+        if args.sample_prompts:  # spread over the tasks
+            prompts = prompts[::max(1, len(prompts) // args.sample_prompts)][:args.sample_prompts]
         trees = [parse_tree(t, model.config.num_heads) for t in sample]
         measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed)
         sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
@@ -231,7 +233,7 @@ def acceptance_table(model, sequences, acc, questions, args):
             "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
             "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
             "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
-            "sampled_prompts": len(sequences[:args.sample_prompts]) if sampled else 0,
+            "sampled_prompts": min(args.sample_prompts or len(sequences), len(sequences)) if sampled else 0,
             "command": "medusa-lite calibrate --acceptance " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
     for c in rows[:3] + sampled[:2]:
         print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
