@@ -113,12 +113,12 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     prompt = torch.randint(0, vocab, (16,), generator=gen).to(device)
 
     # the loop's own per-step bookkeeping: a few steps of plain decoding inside the loop
-    _, stats = speculative_generate(model.base_model, model.drafter([]), prompt, _greedy_config(target),
-                                    max_new_tokens=9)
+    _, stats = speculative_generate(model.base_model, model.drafter([]), prompt, _greedy_config(), max_new_tokens=9)
     overhead = max((stats.wall_time - stats.target_time) / max(stats.verify_steps, 1), 0.0)
     bar.update(1)
 
     latency: dict[int, dict[int, float]] = {}
+    fast: dict[int, dict[int, float]] = {}  # the packed path's latency, where measured
     packed_wins: dict[int, bool] = {}  # tree tokens -> packed faster at every cache length so far
 
     def timed(cache, ids, buffers, cache_len, kernel, repeats) -> float:
@@ -147,9 +147,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
             buffers = build_buffers(chain(n - 1), device)
             table[n] = timed(cache, ids, buffers, cache_len, None, 3 if not table else 2)  # first: + a warm-up
             if packed is not None and 1 < n <= packed.rows and packed_wins.get(n, True):
-                fast = timed(cache, ids, buffers, cache_len, packed, 3 if n == 2 else 2)
-                packed_wins[n] = fast < table[n]
-                table[n] = min(table[n], fast)
+                fast.setdefault(cache_len, {})[n] = timed(cache, ids, buffers, cache_len, packed, 3 if n == 2 else 2)
+                packed_wins[n] = fast[cache_len][n] < table[n]
             bar.update(1)
             if max_tokens_per_step is not None and table[n] > max_tokens_per_step * table[todo[0]]:
                 break
@@ -180,11 +179,15 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
         if not packed_wins[n]:
             break
         packed_from = n
+    for cache_len, table in latency.items():  # the latency of the path each size will take
+        for n, seconds in fast.get(cache_len, {}).items():
+            if packed_from and packed_from <= n:
+                table[n] = seconds
     return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start,
             "packed_from": packed_from, "phases": phases}
 
 
-def _greedy_config(target):
+def _greedy_config():
     from transformers import GenerationConfig
     return GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None)
 

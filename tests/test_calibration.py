@@ -215,3 +215,27 @@ def test_calibrate_sampling_tree_is_stored_next_to_the_greedy_one(tmp_path):
     model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
     assert model.choices == [[0]] and tree_json(model.tree_for(sample=True)) == report["best"]["choices"]
     assert tree_json(MedusaModel.from_pretrained(load_target(target_dir, dtype="bf16")[0], heads).tree_for(True)) == [[0]]
+
+
+def test_calibrate_acceptance_table_feeds_the_hardware_fit(tmp_path, monkeypatch):
+    """``--acceptance``: every candidate replayed (greedy) and run (sampling) per context bucket, written as the
+    heads' acceptance table; loading the heads then fits the tree to this machine (probe cached)."""
+    from medusa_lite.fit import AcceptanceTable
+
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path / "cache"))
+    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type="hydra"),
+                                              {160: "write a story", 400: "what is it"})
+    run("--acceptance", "--max-new-tokens", "12", "--topk", "3", "--sample-prompts", "1")
+    table = AcceptanceTable.load(heads)
+    assert table.buckets == [0, 256, 1024] and table.sample_temperature == 1.0
+    trees = [c.tree for c in table.greedy]
+    assert {"dynamic": {"nodes": 4, "depth": 2, "topk": 4, "expand": 4}} in trees
+    assert {"tree": [], "prompt_lookup": 8, "ngram": 3} in trees
+    assert all(c.steps[0] > 0 and c.steps[1:] == [0, 0] for c in table.greedy)  # short prompts: bucket 0 only
+    assert all(1 <= c.tokens_per_step[0] <= 3 for c in table.greedy + table.sample)  # depth <= 2
+    assert table.data["sampled_prompts"] == 1 and len(table.data["question_ids"]) == 2
+    model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
+    fit = model.fit_hardware(progress=False)
+    assert len(fit.ladders) == 3 and all(ladder[-1].tree == [] for ladder in fit.ladders)
+    out = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=8)
+    assert out.shape[1] == 12 and model.last_stats.fitted is not None
