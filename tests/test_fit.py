@@ -253,3 +253,10 @@ def test_greedy_equals_plain_with_packed_verify(arch):
         ids = torch.randint(1, 128, (1, 10), generator=gen)
         ref = target.generate(ids, max_new_tokens=30, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=30, do_sample=False), ref)
+
+
+def test_heads_directory_carries_the_acceptance_table(tmp_path):
+    model = _hydra_model()
+    model.save_pretrained(tmp_path / "heads")
+    again = MedusaModel.from_pretrained(model.base_model, tmp_path / "heads")
+    assert again.acceptance.to_dict() == model.acceptance.to_dict()
