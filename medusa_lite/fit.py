@@ -153,7 +153,10 @@ def latency_at(latency: dict[int, dict[int, float]], tokens: float, context: flo
 
     if not latency:
         raise ValueError("empty latency table")
-    at = {c: interpolate_latency(monotone_latency(table), tokens) for c, table in sorted(latency.items())}
+    at, highest = {}, 0.0
+    for c, table in sorted(latency.items()):  # never decreasing with context: a running maximum
+        highest = max(highest, interpolate_latency(monotone_latency(table), tokens))
+        at[c] = highest
     lengths = sorted(at)
     if len(lengths) == 1 or context <= lengths[0]:
         return at[lengths[0]]
@@ -164,8 +167,9 @@ def latency_at(latency: dict[int, dict[int, float]], tokens: float, context: flo
 
 
 def max_tokens(latency: dict[int, dict[int, float]]) -> int:
-    """The largest number of tree tokens measured at every cache length (no extrapolation beyond it)."""
-    return min(max(table) for table in latency.values())
+    """The largest number of tree tokens measured at the shortest cache length, which the probe measures at every
+    size (longer cache lengths at a few sizes, extrapolated in tokens); no candidate beyond it is priced."""
+    return max(latency[min(latency)])
 
 
 # ------------------------------------------------------------------------------------- the choice
@@ -310,10 +314,6 @@ class HardwareFit:
     probe_seconds: float = 0.0
     packed_from: int = 0     # verify forwards of this many tree tokens and more (up to the packed rows) use
                              # prepacked GEMM (medusa_lite.kernels); 0: the stock kernels throughout
-
-    def trees(self) -> list:
-        """The fitted tree (first rung) of each bucket, JSON form."""
-        return [ladder[0].tree for ladder in self.ladders]
 
     def summary(self) -> dict:
         """JSON-able: machine, and per bucket the fitted tree with its predicted tokens/s and plain decoding's."""

@@ -43,12 +43,12 @@ class PackedLinears(TorchFunctionMode):
         if not packing_available(target):
             raise ValueError("packed linears need fp32 weights on a CPU with MKL")
         self.rows = rows
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # weight data_ptr -> (weight, packed)
+        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # data_ptr -> (weight, version, packed)
         with torch.no_grad():
             for module in target.modules():
                 if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
                     w = module.weight.detach()
-                    self._packed[w.data_ptr()] = (w, torch.ops.mkl._mkl_reorder_linear_weight(w, rows))
+                    self._packed[w.data_ptr()] = (w, w._version, torch.ops.mkl._mkl_reorder_linear_weight(w, rows))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -61,7 +61,8 @@ class PackedLinears(TorchFunctionMode):
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
         """[..., K] x packed [N, K] -> [..., N]; None where the packed path does not apply."""
         entry = self._packed.get(weight.data_ptr())
-        if entry is None or entry[0].shape != weight.shape or x.dtype != torch.float32:
+        if (entry is None or entry[0].shape != weight.shape or entry[1] != weight._version
+                or x.dtype != torch.float32):  # not ours, or changed in place since it was packed: the stock path
             return None
         x2 = x.reshape(-1, x.shape[-1])  # [M, K]
         m = x2.shape[0]
@@ -69,7 +70,7 @@ class PackedLinears(TorchFunctionMode):
             return None
         if m < self.rows:
             x2 = torch.cat([x2, x2.new_zeros(self.rows - m, x2.shape[1])])  # [rows, K]
-        y = torch.ops.mkl._mkl_linear(x2, entry[1], entry[0], bias, self.rows)[:m]  # [M, N]
+        y = torch.ops.mkl._mkl_linear(x2, entry[2], entry[0], bias, self.rows)[:m]  # [M, N]
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -82,10 +83,14 @@ class VerifyKernels:
         self.target, self.first, self.rows = target, first, rows
         self._packed = packed
 
+    def prepare(self) -> None:
+        """Pack now (once), so that no decoding step pays for it."""
+        if self._packed is None:
+            self._packed = PackedLinears(self.target, self.rows)
+
     def context(self, tokens: int):
         """A context manager for a verify forward of ``tokens`` tree tokens."""
         if not self.first <= tokens <= self.rows:
             return contextlib.nullcontext()
-        if self._packed is None:
-            self._packed = PackedLinears(self.target, self.rows)
+        self.prepare()
         return self._packed

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -352,18 +353,31 @@ class MedusaModel(nn.Module):
         key = (sample, self.dtype, self.device)
         if key in self._fits and not force:
             return self._fits[key]
-        candidates = self.acceptance.candidates(sample)
-        trees = [c.tree for c in candidates if c.tree != []]
-        most = max(max(c.tokens_per_step) for c in candidates)
-        fingerprint, measured, hit, kernels = load_or_probe(self, trees, force=force, progress=progress,
-                                                            budget_s=budget_s or DEFAULT_BUDGET_S,
-                                                            max_tokens_per_step=most)
+        candidates = [c for c in self.acceptance.candidates(sample) if c.tree == [] or self._can_draft(c.tree)]
+        if not candidates:
+            warnings.warn("the heads' acceptance table has no tree these heads can draft: no hardware fit")
+            return None
+        sampler = DraftSampler(build_warpers(GenerationConfig(do_sample=True, top_k=0)), None) if sample else None
+        fingerprint, measured, hit, kernels = load_or_probe(
+            self, [c.tree for c in candidates if c.tree != []], force=force, progress=progress,
+            budget_s=budget_s or DEFAULT_BUDGET_S, max_tokens_per_step=max(max(c.tokens_per_step) for c in candidates),
+            sampler=sampler)
         ladders = fit_trees(candidates, measured["latency"], measured["draft"], measured["overhead"],
                             tuple(self.acceptance.buckets))
+        if kernels is not None:
+            kernels.prepare()  # pack the weights now: no decoding step (nor the guard's timing) pays for it
         fit = HardwareFit(fingerprint, ladders, tuple(self.acceptance.buckets), hit, measured["seconds"],
                           measured["packed_from"])
         self.use_fit(fit, sample, kernels=kernels)
         return fit
+
+    def _can_draft(self, tree) -> bool:
+        """Whether these heads can draft ``tree`` (JSON form): deep enough, Hydra heads for a dynamic tree."""
+        try:
+            self.drafter(parse_tree(tree, self.config.num_heads))
+        except ValueError:
+            return False
+        return True
 
     def use_fit(self, fit: HardwareFit, sample: bool = False, *, guard=SpeedGuard, kernels=None) -> None:
         """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), a fresh
@@ -374,16 +388,17 @@ class MedusaModel(nn.Module):
         self._guards[key] = [guard(ladder) for ladder in fit.ladders]
         self._kernels[key] = kernels
 
-    def _fitted_drafter(self, sample: bool, sampler: DraftSampler | None) -> FittedDrafter | None:
-        """The drafter over the fitted ladders (guards kept across calls), or None when fitting is off or impossible."""
-        if not self.fit_enabled:
+    def _fitted_drafter(self, sample: bool, sampler: DraftSampler | None, fit: bool | None) -> FittedDrafter | None:
+        """The drafter over the fitted ladders (guards kept across calls), or None when fitting is off (``fit=False``,
+        or ``fit=None`` with ``fit_enabled`` off) or impossible."""
+        if fit is False or (fit is None and not self.fit_enabled):
             return None
-        fit = self._fits.get((sample, self.dtype, self.device)) or self.fit_hardware(sample)
-        if fit is None:
+        fitted = self._fits.get((sample, self.dtype, self.device)) or self.fit_hardware(sample)
+        if fitted is None:
             return None
         guards = self._guards[(sample, self.dtype, self.device)]
         return FittedDrafter(lambda tree: self.drafter(parse_tree(tree, self.config.num_heads), sampler), guards,
-                             fit.buckets)
+                             fitted.buckets)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -412,8 +427,9 @@ class MedusaModel(nn.Module):
         When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
         accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
         Without ``tree``, the tree is the one fitted to this machine per context length (heads with an
-        acceptance table, :meth:`fit_hardware`; ``fit=False`` or ``MEDUSA_LITE_FIT=0``: the heads' stored tree)
-        and an online guard shrinks it, down to no tree, while it does not pay (``last_stats.fitted``).
+        acceptance table, :meth:`fit_hardware`), and an online guard shrinks it, down to no tree, while it does
+        not pay (``last_stats.fitted``); ``fit=False``, or ``MEDUSA_LITE_FIT=0`` unless ``fit=True``: the
+        heads' stored tree.
         """
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
         unused.pop("use_cache", None)
@@ -436,8 +452,8 @@ class MedusaModel(nn.Module):
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
         drafter = None
-        if tree is None and fit is not False:
-            drafter = self._fitted_drafter(config.do_sample, sampler)
+        if tree is None:
+            drafter = self._fitted_drafter(config.do_sample, sampler, fit)
         if drafter is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
             drafter = self.drafter(tree, sampler)

@@ -21,13 +21,14 @@ import platform
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
 from .fit import tree_key
 
-FIT_FORMAT = "medusa_lite.fit/1"
+FIT_FORMAT = "medusa_lite.fit/2"
 PROBE_CACHE_LENGTHS = (128, 1024)
 PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 48, 64)
 DEFAULT_BUDGET_S = 5.0
@@ -81,7 +82,7 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
-          max_tokens_per_step: float | None = None, packed=None) -> dict:
+          max_tokens_per_step: float | None = None, packed=None, sampler=None) -> dict:
     """Measure this machine for :func:`medusa_lite.fit.fit_trees`.
 
     model: a :class:`medusa_lite.MedusaModel`; candidates: the trees (JSON form) whose drafting is timed.
@@ -92,7 +93,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     covers are timed through it too; ``"packed_from"`` is then the smallest size from which it was faster
     at every larger size it covers (0: never), and the latency table holds the faster of the two.
     Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "overhead": s, "seconds": s,
-    "packed_from": n}``.
+    "packed_from": n, "phases": {name: s}}``. ``sampler``: drafting is timed with it (sampled drafts), as
+    decoding with sampling drafts.
     """
     from tqdm.auto import tqdm
 
@@ -154,7 +156,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
                 break
             if time.perf_counter() - start > budget_s:
                 break
-        latency[cache_len] = table
+        if i == 0 or len(table) >= 2:  # a longer cache length cut to one point says nothing of its growth
+            latency[cache_len] = table
         if time.perf_counter() - start > budget_s:
             break
     bar.update(bar.total - 1 - bar.n)
@@ -163,7 +166,7 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     hidden = out.hidden_states[-1][0, -1]  # [H] a real hidden state to draft from
     draft: dict[str, float] = {}
     for tree in candidates:
-        drafter = model.drafter(parse_tree(tree, model.config.num_heads))
+        drafter = model.drafter(parse_tree(tree, model.config.num_heads), sampler)
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
@@ -198,10 +201,14 @@ def cache_path(key: str) -> Path:
     return cache_dir() / "fit" / f"{key[:40]}.json"
 
 
-def fit_key(fingerprint: dict, target_id: str, candidates: list) -> str:
-    """The cache key: machine, target and the candidate trees (their drafting is timed), and the format."""
-    blob = json.dumps({"format": FIT_FORMAT, "machine": fingerprint, "target": target_id,
-                       "candidates": sorted(tree_key(t) for t in candidates)}, sort_keys=True)
+def fit_key(fingerprint: dict, target_id: str, heads_id: str, candidates: list, sample: bool) -> str:
+    """The cache key: machine, target, heads (their drafting is timed), the candidate trees, greedy or sampled
+    drafting, the format and the library version."""
+    from . import __version__
+
+    blob = json.dumps({"format": FIT_FORMAT, "version": __version__, "machine": fingerprint, "target": target_id,
+                       "heads": heads_id, "candidates": sorted(tree_key(t) for t in candidates), "sample": sample},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -218,14 +225,17 @@ def check_measured(measured: dict) -> dict:
         return float(x)
 
     latency = {int(c): {int(n): seconds(s) for n, s in t.items()} for c, t in measured["latency"].items()}
-    if not latency or any(not t or 1 not in t or t[1] <= 0 for t in latency.values()):
+    if not latency or any(not t or 1 not in t for t in latency.values()):
         raise ValueError("latency table without a single-token forward")
+    if any(s <= 0 for t in latency.values() for s in t.values()):
+        raise ValueError("a forward cannot take no time")
     packed_from = measured.get("packed_from", 0)
     if not isinstance(packed_from, int) or packed_from < 0:
         raise ValueError(f"impossible packed_from {packed_from!r}")
     return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
             "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0)),
-            "packed_from": packed_from}
+            "packed_from": packed_from,
+            "phases": {str(k): seconds(v) for k, v in measured.get("phases", {}).items()}}
 
 
 def read_cached(key: str) -> dict | None:
@@ -240,18 +250,32 @@ def read_cached(key: str) -> dict | None:
         return None
 
 
-def write_cached(key: str, fingerprint: dict, measured: dict) -> Path:
-    """Write atomically (a temporary file renamed into place): readers see the old file or the whole new one."""
+def write_cached(key: str, fingerprint: dict, measured: dict) -> Path | None:
+    """Write atomically (a temporary file renamed into place): readers see the old file or the whole new one.
+    Best effort: a cache directory that cannot be written costs a probe per process, not the decoding (None)."""
     path = cache_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"medusa_lite: cannot keep the hardware fit in {path.parent} ({e}); it is measured again "
+                      "in every process", stacklevel=2)
+        return None
     measured = json.loads(json.dumps(measured))  # the JSON form (string keys) is what the digest covers
     blob = {"format": FIT_FORMAT, "key": key, "fingerprint": fingerprint, "measured": measured,
             "sha256": _digest(measured), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".tmp")
+    except OSError as e:
+        warnings.warn(f"medusa_lite: cannot write the hardware fit to {path.parent} ({e})", stacklevel=2)
+        return None
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(blob, f, indent=1)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        warnings.warn(f"medusa_lite: cannot write the hardware fit to {path} ({e})", stacklevel=2)
+        return None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -259,14 +283,16 @@ def write_cached(key: str, fingerprint: dict, measured: dict) -> Path:
 
 
 def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
-                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None):
+                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None):
     """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
     candidates, else a fresh probe (written to the cache). The kernels are the packed linears
     (:mod:`medusa_lite.kernels`) where they were measured faster, packed once per process."""
     from .kernels import PackedLinears, VerifyKernels, packing_available
 
     fingerprint = machine_fingerprint(model.device, model.dtype)
-    key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True), candidates)
+    heads = {k: v for k, v in model.config.to_dict().items() if k not in ("tree", "dtype_trees")}
+    key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
+                  json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None)
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
@@ -274,7 +300,7 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     if measured is None:
         packed = PackedLinears(model.base_model) if packing_available(model.base_model) else None
         measured = probe(model, candidates, budget_s=budget_s, progress=progress,
-                         max_tokens_per_step=max_tokens_per_step, packed=packed)
+                         max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler)
         write_cached(key, fingerprint, measured)
         measured = check_measured(json.loads(json.dumps(measured)))
     if not measured["packed_from"]:
@@ -288,11 +314,15 @@ def native_bf16(device: torch.device | str) -> tuple[bool, str]:
     Elsewhere bf16 GEMMs are emulated and cost several times fp32."""
     device = torch.device(device)
     if device.type == "cuda":
-        ok = torch.cuda.is_bf16_supported()
-        return ok, f"{torch.cuda.get_device_name(device)}: bf16 {'supported' if ok else 'not supported'}"
+        major, minor = torch.cuda.get_device_capability(device)
+        ok = major >= 8  # Ampere and later have bf16 tensor cores; older GPUs only emulate bf16
+        return ok, f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
     model, flags = _cpu_info()
     has = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    allowed = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and torch.backends.cpu.get_cpu_capability() != "AVX2"
+    onednn_limit = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    allowed = (bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+               and "AVX512" in torch.backends.cpu.get_cpu_capability()
+               and (onednn_limit in ("ALL", "DEFAULT") or "AVX512" in onednn_limit or "AMX" in onednn_limit))
     if has and allowed:
         return True, f"{model}: {', '.join(has)}"
     if has:

@@ -845,7 +845,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer, name = build_model(settings)
     log.info("loaded %s (%s, %s) in %.1f s", name, settings.dtype, settings.device, time.perf_counter() - t0)
     metrics = Metrics()
-    for decoding in ("greedy", "sample"):  # fit the trees to this machine now, not on the first request
+    for decoding in ("greedy", "sample") if model.fit_enabled else ():  # fit now, not on the first request
         fit = model.fit_hardware(sample=decoding == "sample")
         if fit is None:
             log.info("tree: the heads' stored tree, %d nodes (no acceptance table: no hardware fit)",

@@ -124,7 +124,8 @@ def test_calibrate_cli_writes_tree_that_loads(tmp_path):
                 "--continuations", str(tmp_path / "cont.json"))
     assert [row[:3] for row in again["accuracy"]["accuracies"]] == [row[:3] for row in acc]
     # a bf16 calibration adds the bf16 tree; fp32 keeps its own (sizes 1,2 cannot give the 8-node fp32 tree)
-    run("--dtype", "bf16", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2", "--latency-tokens", "1,3")
+    run("--dtype", "bf16", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2", "--latency-tokens", "1,3",
+        "--lookup", "")  # (a lookup branch could win on timing: not what this checks)
     config = json.loads((heads / "medusa_config.json").read_text())
     assert set(config["dtype_trees"]) == {"float32", "bfloat16"} and config["dtype_trees"]["float32"] == best
     assert len(config["dtype_trees"]["bfloat16"]) <= 2 and (heads / "calibration-bf16.json").is_file()

@@ -64,6 +64,20 @@ def test_drafting_cost_and_context_are_priced():
     assert latency_at(cost, 3, 128) == pytest.approx((cost[128][2] + cost[128][4]) / 2)
 
 
+def test_latency_never_decreases_with_context():
+    noisy = {128: {1: 1.0, 4: 1.0}, 512: {1: 0.8, 4: 0.8}, 1024: {1: 1.2, 4: 1.2}}
+    values = [latency_at(noisy, 1, c) for c in range(0, 3000, 7)]
+    assert values == sorted(values) and min(values) == 1.0
+
+
+def test_a_long_cache_cut_short_prices_by_the_short_one():
+    """A probe whose budget ran out at the long cache length still prices every measured size."""
+    cut = {128: {1: 0.05, 2: 0.05, 4: 0.05, 8: 0.06}, 1024: {1: 0.06, 4: 0.07}}
+    ladders = fit_trees(_candidates(), cut, {}, overhead=0.0)
+    assert all(len(ladder) > 1 for ladder in ladders)  # not collapsed to the root alone
+    assert ladders[0][0].tree == MEDIUM and ladders[1][0].tree == LOOKUP
+
+
 def test_unmeasured_sizes_are_left_out():
     ladders = fit_trees(_candidates(), _table(lambda n, c: 0.01, tokens=(1, 2, 4)), {}, overhead=0.0)
     assert all(LARGE not in [r.tree for r in ladder] for ladder in ladders)
@@ -179,12 +193,44 @@ def test_interrupted_probe_leaves_no_cache(tmp_path, monkeypatch):
     assert not list((tmp_path / "fit").glob("*"))
 
 
+def test_trees_the_heads_cannot_draft_are_left_out(tmp_path, monkeypatch, prompt):
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=2))  # Medusa heads, depth 2
+    dynamic = {"dynamic": {"nodes": 4, "depth": 2, "topk": 2, "expand": 2}}
+    model.acceptance = AcceptanceTable([0, 256, 1024], [Candidate(dynamic, [3.0] * 3, [5] * 3, [100] * 3),
+                                                        Candidate(LARGE, [3.0] * 3, [9] * 3, [100] * 3),
+                                                        Candidate(SMALL, [1.5] * 3, [2] * 3, [100] * 3)])
+    fit = model.fit_hardware(progress=False)
+    assert {json.dumps(r.tree) for ladder in fit.ladders for r in ladder} <= {json.dumps(SMALL), "[]"}
+    model.generate(prompt, max_new_tokens=6)
+    model.acceptance = AcceptanceTable([0, 256, 1024], [Candidate(dynamic, [3.0] * 3, [5] * 3, [100] * 3)])
+    model._fits.clear()
+    with pytest.warns(UserWarning, match="no tree these heads can draft"):
+        assert model.fit_hardware(progress=False) is None
+    with pytest.warns(UserWarning, match="no tree these heads can draft"):
+        model.generate(prompt, max_new_tokens=6)  # the stored tree, as heads without a table
+
+
+def test_an_unwritable_cache_costs_a_probe_not_the_decoding(tmp_path, monkeypatch, prompt):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path / "file"))
+    model = _hydra_model()
+    with pytest.warns(UserWarning, match="cannot keep the hardware fit"):
+        model.generate(prompt, max_new_tokens=6)
+    assert model.last_stats.fitted is not None
+
+
 def test_fit_can_be_switched_off(tmp_path, monkeypatch, prompt):
     monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
     model = _hydra_model()
     model.generate(prompt, max_new_tokens=8, fit=False)
     assert model.last_stats.fitted is None and not (tmp_path / "fit").exists()
     model.generate(prompt, max_new_tokens=8)
+    assert model.last_stats.fitted is not None
+    model.fit_enabled = False  # as MEDUSA_LITE_FIT=0
+    model.generate(prompt, max_new_tokens=8)
+    assert model.last_stats.fitted is None
+    model.generate(prompt, max_new_tokens=8, fit=True)  # an explicit argument wins
     assert model.last_stats.fitted is not None
 
 
@@ -237,9 +283,14 @@ def test_packed_linears_match_linear():
         assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
         if m == 1 or m > 4:
             assert torch.equal(y, ref)  # outside 2..rows the stock kernel runs
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # changed in place after packing: the stale packed copy is not used
+    x = torch.randn(1, 3, layer.in_features)
+    with packed:
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # nn.Linear layers (GPT-2's Conv1D is never packed)
 def test_greedy_equals_plain_with_packed_verify(arch):
     from medusa_lite.kernels import VerifyKernels
 
