@@ -225,20 +225,23 @@ class SpeedGuard:
     realized speed when it was measured recently, else with its prediction corrected by what the current
     rung showed, both in time (steps running slower than predicted: a busy machine) and in acceptance
     (fewer drafted tokens accepted than the table says: harder text than the calibration's). The guard
-    moves to the fastest of them, down to the root alone (no speculation). Every ``retry`` steps below
-    the top it tries one rung up again, for ``window`` steps, so a tree that stopped paying for a while is
-    picked up again when it pays.
+    moves to the fastest of them, down to the root alone (no speculation). After ``retry`` steps below the
+    top it tries one rung up again, for ``window`` steps, so a tree that stopped paying for a while is
+    picked up again when it pays; a try that fails doubles the wait before the next one (up to
+    ``max_retry``), one that holds resets it, so text where no tree pays costs little exploring.
 
     Exactness: :meth:`rung` depends only on steps already finished (their token counts and durations),
     never on the draws of the step it is asked for. A step's tree is therefore fixed before that step
     drafts, and every acceptance rule (greedy walk, rejection sampling) is exact whatever tree it gets.
     """
 
-    def __init__(self, ladder: list[Rung], window: int = 8, retry: int = 64):
+    def __init__(self, ladder: list[Rung], window: int = 8, retry: int = 64, max_retry: int = 1024):
         if not ladder:
             raise ValueError("a ladder needs at least one rung")
         self.ladder = ladder
-        self.window, self.retry = window, retry
+        self.window, self.retry, self.max_retry = window, retry, max_retry
+        self.wait = retry                                      # steps below the top before the next try up
+        self.trying = False                                    # on a rung reached by a try, window not done
         self.level = 0
         self.recent = [deque(maxlen=window) for _ in ladder]  # (tokens, seconds) of the last steps per rung
         self.age = [math.inf for _ in ladder]                  # steps since a rung's figures were taken
@@ -269,18 +272,24 @@ class SpeedGuard:
                 if estimate > best_speed:
                     best, best_speed = other, estimate
             if best != level:
+                if self.trying:  # the try failed: wait longer before the next
+                    self.wait = min(2 * self.wait, self.max_retry)
+                self.trying = False
                 self._move(best)
                 return
+            if self.trying:  # the try held for a window
+                self.wait, self.trying = self.retry, False
         if level > 0:
             self.below_top += 1
-            if self.below_top >= self.retry:
+            if self.below_top >= self.wait:
                 self._move(level - 1)
+                self.trying = True
 
     def estimate(self, level: int, measured: int) -> float:
         """Tokens/s expected of ``level``: realized if fresh, else its prediction corrected by the ``measured``
         rung's realized step time (time factor) and realized drafted tokens per step (acceptance factor)."""
         fresh = self.realized(level)
-        if fresh is not None and self.age[level] <= self.retry + self.window:
+        if fresh is not None and self.age[level] <= self.wait + self.window:
             return fresh
         steps, seen = self.recent[measured], self.ladder[measured]
         slowdown = (sum(s for _, s in steps) / len(steps)) / seen.step_seconds

@@ -29,11 +29,13 @@ from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_qu
 from medusa_lite.targets import PRETRAINED_DIR, load_default, load_target
 from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
 
-METHODS = ("plain", "pld", "medusa", "loop")
+METHODS = ("plain", "pld", "medusa", "loop", "stored")
 DEFAULT_METHODS = ("plain", "pld", "medusa")
 # loop: medusa_lite's decoding loop with the root alone (tree []), no speculation. Opt-in reference: how
 # much of medusa_lite's speedup over plain ``generate`` is the loop itself rather than the tree.
-LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite", "loop": "no-tree loop"}
+# stored: medusa_lite with the heads' stored tree instead of the tree fitted to this machine (opt-in reference)
+LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite", "loop": "no-tree loop",
+          "stored": "stored tree"}
 
 
 # ------------------------------------------------------------------------------------------ parse
@@ -128,7 +130,10 @@ def make_runners(model: MedusaModel, gen: dict, pld_tokens: int) -> dict:
     def loop(ids):
         return model.generate(ids, tree=[], **gen)
 
-    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop}
+    def stored(ids):
+        return model.generate(ids, fit=False, **gen)
+
+    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored}
 
 
 # -------------------------------------------------------------------------------------------- run

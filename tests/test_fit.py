@@ -311,3 +311,16 @@ def test_heads_directory_carries_the_acceptance_table(tmp_path):
     model.save_pretrained(tmp_path / "heads")
     again = MedusaModel.from_pretrained(model.base_model, tmp_path / "heads")
     assert again.acceptance.to_dict() == model.acceptance.to_dict()
+
+
+def test_guard_backs_off_when_tries_keep_failing():
+    guard = SpeedGuard(_ladder(), window=4, retry=16, max_retry=128)
+    levels = []
+    for _ in range(700):
+        level = guard.rung()
+        levels.append(level)
+        guard.record(1, 0.010 if level < 2 else 0.007)  # no tree ever pays
+    tries = [i for i in range(1, len(levels)) if levels[i] < levels[i - 1]]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[0] < gaps[1] < gaps[2] and gaps[-1] == gaps[-2]  # waits double, up to max_retry
+    assert sum(level < 2 for level in levels[200:]) / 500 < 0.05  # little time spent on trees that do not pay
