@@ -348,11 +348,11 @@ class MedusaModel(nn.Module):
         """
         from .probe import DEFAULT_BUDGET_S, load_or_probe
 
-        if self.acceptance is None:
-            return None
-        key = (sample, self.dtype, self.device)
+        key = self._fit_key(sample)
         if key in self._fits and not force:
             return self._fits[key]
+        if self.acceptance is None:
+            return None
         candidates = [c for c in self.acceptance.candidates(sample) if c.tree == [] or self._can_draft(c.tree)]
         if not candidates:
             warnings.warn("the heads' acceptance table has no tree these heads can draft: no hardware fit")
@@ -371,6 +371,10 @@ class MedusaModel(nn.Module):
         self.use_fit(fit, sample, kernels=kernels)
         return fit
 
+    def _fit_key(self, sample: bool) -> tuple:
+        """Fits, guards and verify kernels are kept per (sampling, dtype, device)."""
+        return sample, self.dtype, self.device
+
     def _can_draft(self, tree) -> bool:
         """Whether these heads can draft ``tree`` (JSON form): deep enough, Hydra heads for a dynamic tree."""
         try:
@@ -383,7 +387,7 @@ class MedusaModel(nn.Module):
         """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), a fresh
         ``guard(ladder)`` per bucket (:class:`medusa_lite.fit.SpeedGuard`, or a ``functools.partial`` of it with
         another window) and the verify ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`; None: stock)."""
-        key = (sample, self.dtype, self.device)
+        key = self._fit_key(sample)
         self._fits[key] = fit
         self._guards[key] = [guard(ladder) for ladder in fit.ladders]
         self._kernels[key] = kernels
@@ -393,10 +397,10 @@ class MedusaModel(nn.Module):
         or ``fit=None`` with ``fit_enabled`` off) or impossible."""
         if fit is False or (fit is None and not self.fit_enabled):
             return None
-        fitted = self._fits.get((sample, self.dtype, self.device)) or self.fit_hardware(sample)
+        fitted = self.fit_hardware(sample)
         if fitted is None:
             return None
-        guards = self._guards[(sample, self.dtype, self.device)]
+        guards = self._guards[self._fit_key(sample)]
         return FittedDrafter(lambda tree: self.drafter(parse_tree(tree, self.config.num_heads), sampler), guards,
                              fitted.buckets)
 
@@ -464,7 +468,7 @@ class MedusaModel(nn.Module):
             new, stats = speculative_generate(
                 self.base_model, drafter, prompt, config, max_new_tokens=max_new, streamer=streamer,
                 stopping_criteria=criteria, generator=generator, on_step=on_step,
-                kernels=self._kernels.get((config.do_sample, self.dtype, self.device)) if on_step else None)
+                kernels=self._kernels.get(self._fit_key(config.do_sample)) if on_step else None)
         finally:
             if streamer is not None:
                 streamer.end()

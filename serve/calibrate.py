@@ -221,7 +221,7 @@ def acceptance_table(model, sequences, acc, questions, args):
     for tree in tqdm(greedy, desc="replaying greedy candidates"):
         r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), args.stride, features)
         rows.append(Candidate(tree=tree, **r["by_bucket"]))
-    sampled = []
+    sampled, prompts = [], []
     if args.sample_temperature > 0:
         prompts = [ids[:start] for ids, start in sequences]
         if args.sample_prompts:  # spread over the tasks
@@ -233,7 +233,7 @@ def acceptance_table(model, sequences, acc, questions, args):
             "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
             "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
             "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
-            "sampled_prompts": min(args.sample_prompts or len(sequences), len(sequences)) if sampled else 0,
+            "sampled_prompts": len(prompts),
             "command": "medusa-lite calibrate --acceptance " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
     for c in rows[:3] + sampled[:2]:
         print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
