@@ -1,29 +1,29 @@
-"""``medusa-lite`` console command: dispatches sub-commands to the scripts in the source tree.
+"""``medusa-lite`` console command: one sub-command per script of the installed ``medusa_lite.train`` and
+``medusa_lite.serve`` packages (``train/`` and ``serve/`` in a checkout).
 
-The library never imports ``train/`` or ``serve/``; each sub-command runs its script's ``main()`` with
-the remaining arguments, so ``medusa-lite train ARGS`` is ``python train/train.py ARGS``.
+``medusa-lite train ARGS`` calls ``medusa_lite.train.train.main(ARGS)``, the same as
+``python -m medusa_lite.train.train ARGS``. The scripts' heavy imports load only for the command that runs.
 """
 
 from __future__ import annotations
 
-import runpy
+import importlib
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {
-    "demo": ("serve/demo.py", "chat prompts on the default model: plain generate vs medusa_lite"),
-    "distill-data": ("train/distill_data.py", "the target's own answers to ShareGPT prompts (training data)"),
-    "train": ("train/train.py", "fine-tune heads (DeepSpeed or one CPU process)"),
-    "export-vllm": ("train/export_vllm.py", "write heads in vLLM's Medusa checkpoint layout"),
-    "serve": ("serve/server.py", "OpenAI-compatible server"),
-    "bench": ("serve/bench.py", "Spec-Bench benchmark vs plain generate and prompt lookup"),
-    "calibrate": ("serve/calibrate.py", "fit the tree to the heads and this hardware"),
+    "demo": ("medusa_lite.serve.demo", "chat prompts on the default model: plain generate vs medusa_lite"),
+    "distill-data": ("medusa_lite.train.distill_data", "the target's own answers to ShareGPT prompts (training data)"),
+    "train": ("medusa_lite.train.train", "fine-tune heads (DeepSpeed, one CPU process or many GPUs)"),
+    "export-vllm": ("medusa_lite.train.export_vllm", "write heads in vLLM's Medusa checkpoint layout"),
+    "serve": ("medusa_lite.serve.server", "OpenAI-compatible server"),
+    "loadtest": ("medusa_lite.serve.loadtest", "concurrent clients against a running (or spawned) server"),
+    "bench": ("medusa_lite.serve.bench", "Spec-Bench benchmark vs plain generate and prompt lookup"),
+    "calibrate": ("medusa_lite.serve.calibrate", "fit the tree to the heads and this hardware"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: medusa-lite COMMAND [ARGS]", "", "commands:"]
+    lines = ["usage: medusa-lite COMMAND [ARGS]   (medusa-lite COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -37,15 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"medusa-lite: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    script = ROOT / COMMANDS[name][0]
-    if not script.is_file():
-        print(f"medusa-lite {name}: {script} not found; run from a source checkout (pip install -e .)",
-              file=sys.stderr)
-        return 2
-    sys.argv = [f"medusa-lite {name}", *rest]
-    sys.path.insert(0, str(ROOT))
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
+    result = importlib.import_module(COMMANDS[name][0]).main(rest)
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

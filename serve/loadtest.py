@@ -28,7 +28,6 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "What are three tips for staying healthy?",
     "Write a short Python function that checks whether a number is prime.",
@@ -61,7 +60,7 @@ def spawn_server(serve_args: str, timeout: float = 300.0) -> tuple[subprocess.Po
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "medusa_lite.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *shlex.split(serve_args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -14,13 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from train_helpers import ROOT, role_tokenizer, write_chat_jsonl, write_config, write_target
+from train_helpers import role_tokenizer, write_chat_jsonl, write_config, write_target
 
-from train import data as D  # noqa: E402
-from train.loss import medusa_loss  # noqa: E402
-from train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step  # noqa: E402
+from medusa_lite.settings import CONFIGS_DIR, resolve_config
+from medusa_lite.train import data as D
+from medusa_lite.train.loss import medusa_loss
+from medusa_lite.train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +50,19 @@ def _greedy_equal(target_dir: Path, heads_dir: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- configs
 def test_every_shipped_config_loads_and_opens_with_its_launch_line():
-    configs = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+    configs = sorted((CONFIGS_DIR / "train").glob("*.yaml"))
     assert configs
     for path in configs:
         first = path.read_text().splitlines()[0]
         assert first.startswith("#") and "launch" in first.lower(), path
         assert "train" in path.read_text().splitlines()[1], path
-        cfg = build_config(str(path), [])
-        if cfg.deepspeed:
-            assert (ROOT / cfg.deepspeed).is_file(), cfg.deepspeed
-    for path in sorted((ROOT / "configs" / "deepspeed").glob("*.json")):
+        by_name = build_config(path.stem, [])  # a shipped config is named as well as given by path
+        assert by_name == build_config(str(path), [])
+        assert resolve_config("deepspeed", by_name.deepspeed).is_file(), by_name.deepspeed
+    assert resolve_config("deepspeed", "configs/deepspeed/zero3.json") == CONFIGS_DIR / "deepspeed" / "zero3.json"
+    with pytest.raises(FileNotFoundError, match="zero2"):
+        resolve_config("deepspeed", "zero9")
+    for path in sorted((CONFIGS_DIR / "deepspeed").glob("*.json")):
         ds = json.loads(path.read_text())
         assert "train_batch_size" not in ds and "bf16" not in ds  # injected from the training config
 
@@ -66,33 +70,39 @@ def test_every_shipped_config_loads_and_opens_with_its_launch_line():
 def test_config_precedence_and_errors(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("num_heads: 3\nlr: 1e-3\nmax_samples: null\n")
-    cfg = build_config(str(path), ["num_heads=5", "deepspeed=none", "cache_features=false"])
-    assert (cfg.num_heads, cfg.lr, cfg.max_samples, cfg.deepspeed, cfg.cache_features) == (5, 1e-3, None, None, False)
+    cfg = build_config(str(path), ["num_heads=5", "deepspeed=zero3", "--cache-features", "false", "--lr", "2e-3"])
+    assert (cfg.num_heads, cfg.lr, cfg.max_samples, cfg.deepspeed, cfg.cache_features) == (5, 2e-3, None, "zero3", False)
     assert cfg.decay == TrainConfig().decay
     with pytest.raises(ValueError, match="num_hedas"):
         build_config(str(path), ["num_hedas=2"])
     with pytest.raises(ValueError, match="'max_steps'"):
         build_config(None, ["max_steps=lots"])
-    path.write_text("lr: fast\n")
-    with pytest.raises(ValueError, match="'lr'"):
-        build_config(str(path), [])
+    with pytest.raises(ValueError, match="'precision'"):
+        build_config(None, ["precision=fp16"])
+    with pytest.raises(ValueError, match="'deepspeed' may not be null"):
+        build_config(None, ["deepspeed=none"])
+    for bad, key in (("lr: fast", "'lr'"), ("num_heads: 2.5", "'num_heads'"), ("resume: 3", "'resume'"),
+                     ("num_hedas: 2", "num_hedas"), ("seq_len: [1, 2]", "'seq_len'")):
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=key):
+            build_config(str(path), [])
 
 
 def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
-    from train.train import Runtime, load_deepspeed_config
+    from medusa_lite.train.train import Runtime, load_deepspeed_config
 
-    cfg = TrainConfig(micro_batch_size=3, grad_accum=2, precision="bf16", deepspeed="configs/deepspeed/zero3.json")
-    ds = load_deepspeed_config(cfg, Runtime(0, 4, torch.device("cpu"), True))
+    cfg = TrainConfig(micro_batch_size=3, grad_accum=2, precision="bf16", deepspeed="zero3")
+    ds = load_deepspeed_config(cfg, Runtime(0, 4, torch.device("cpu")))
     assert ds["train_batch_size"] == 24 and ds["train_micro_batch_size_per_gpu"] == 3
     assert ds["gradient_accumulation_steps"] == 2 and ds["zero_optimization"]["stage"] == 3
     assert ds["bf16"]["enabled"] is False  # CPU: fp32 master weights + bf16 autocast
-    assert load_deepspeed_config(cfg, Runtime(0, 1, torch.device("cuda", 0), True))["bf16"]["enabled"] is True
+    assert load_deepspeed_config(cfg, Runtime(0, 1, torch.device("cuda", 0)))["bf16"]["enabled"] is True
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_precision_auto_follows_the_hardware(native, monkeypatch):
     import medusa_lite.probe as probe
-    from train.train import resolve_precision
+    from medusa_lite.train.train import resolve_precision
 
     monkeypatch.setattr(probe, "native_bf16", lambda device: (native, "made up"))
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32", "made up")
@@ -175,7 +185,7 @@ def test_missing_data_and_template_less_tokenizer_are_clear_errors(tmp_path):
 
 # ------------------------------------------------------------------------------------------- training
 def test_one_step_changes_heads_and_leaves_every_target_tensor_bit_identical(material, tmp_path):
-    cfg = TrainConfig(target=str(material["target"]), data=str(material["data"]), deepspeed=None, precision="fp32",
+    cfg = TrainConfig(target=str(material["target"]), data=str(material["data"]), precision="fp32",
                       seq_len=32, micro_batch_size=4, lr=1e-2, warmup_steps=1, output_dir=str(tmp_path))
     rt = init_runtime(cfg)
     model, tok = build_model(cfg, rt)
@@ -185,7 +195,8 @@ def test_one_step_changes_heads_and_leaves_every_target_tensor_bit_identical(mat
     before_heads = {k: v.clone() for k, v in model.heads.state_dict().items()}
     engine = Engine(cfg, model.heads, rt)
     assert all(not p.requires_grad for p in model.base_model.parameters()) and not model.base_model.training
-    assert {id(p) for g in engine.optimizer.param_groups for p in g["params"]} == {id(p) for p in model.heads.parameters()}
+    optimised = {id(p) for group in engine.optimizer.bit16_groups for p in group}  # ZeRO-2's view of the params
+    assert optimised == {id(p) for p in model.heads.parameters()}
     starts = D.make_windows(data, seq_len=32, num_heads=cfg.num_heads)[:4]
     lm_head = model.base_model.get_output_embeddings()
     train_step(cfg, model, lm_head, engine, data, None, [starts], rt)  # target forward path (no cache)
@@ -195,7 +206,7 @@ def test_one_step_changes_heads_and_leaves_every_target_tensor_bit_identical(mat
 
 
 def test_resume_after_a_stop_ends_at_the_planned_step_with_the_same_data_order(material, tmp_path):
-    common = [f"target={material['target']}", f"data={material['data']}", "deepspeed=none", "precision=fp32",
+    common = [f"target={material['target']}", f"data={material['data']}", "precision=fp32",
               "seq_len=32", "micro_batch_size=4", "max_steps=6", "save_every=2", "log_every=1", "progress=false",
               "eval_samples=4", "lr=1e-2", "warmup_steps=1"]
     main([*common, f"output_dir={tmp_path / 'full'}"])
@@ -220,7 +231,7 @@ def test_lora_adapted_target_trains(material, tmp_path):
     peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     peft_model.save_pretrained(tmp_path / "adapter")
     out = main([f"target={material['target']}", f"adapter={tmp_path / 'adapter'}", f"data={material['data']}",
-                "deepspeed=none", "precision=fp32", "seq_len=32", "max_steps=2", "eval_samples=4",
+                "precision=fp32", "seq_len=32", "max_steps=2", "eval_samples=4",
                 "progress=false", f"output_dir={tmp_path / 'out'}"])
     from medusa_lite import MedusaModel
     from medusa_lite.targets import load_target
@@ -232,7 +243,7 @@ def test_lora_adapted_target_trains(material, tmp_path):
 
 def test_entry_point_one_process_with_deepspeed_zero2_and_cli(material, tmp_path):
     cfg = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "out",
-                       deepspeed="configs/deepspeed/zero2.json")
+                       deepspeed="zero2")
     proc = subprocess.run([sys.executable, "-m", "medusa_lite.cli", "train", "--config", str(cfg), "num_heads=3"],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -250,10 +261,10 @@ def test_entry_point_one_process_with_deepspeed_zero2_and_cli(material, tmp_path
 def test_deepspeed_launcher_two_cpu_ranks_zero3(material, tmp_path):
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     cfg = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "out",
-                       deepspeed="configs/deepspeed/zero3.json")
-    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", "29731", "train/train.py",
-                           "--config", str(cfg), "head_type=hydra", "draft_vocab=40"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+                       deepspeed="zero3")
+    proc = subprocess.run([launcher, "--num_gpus", "2", "--master_port", "29731", "--module", "medusa_lite.train.train",
+                           "--config", str(cfg), "--head_type", "hydra", "draft_vocab=40"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     heads = tmp_path / "out" / "heads"
     conf = json.loads((heads / "medusa_config.json").read_text())
@@ -266,7 +277,7 @@ def test_deepspeed_launcher_two_cpu_ranks_zero3(material, tmp_path):
 
 def test_hydra_heads_with_draft_vocab_train_and_decode(material, tmp_path):
     """Hydra heads on the 40 most frequent trained tokens: they learn, the ids are stored, decoding stays exact."""
-    out = main([f"target={material['target']}", f"data={material['data']}", "deepspeed=none", "precision=fp32",
+    out = main([f"target={material['target']}", f"data={material['data']}", "precision=fp32",
                 "head_type=hydra", "draft_vocab=40", "seq_len=32", "max_steps=30", "lr=1e-2", "warmup_steps=2", "log_every=5",
                 "eval_samples=4", "progress=false", f"output_dir={tmp_path}"])
     heads = Path(out["heads_dir"])
@@ -285,7 +296,7 @@ def test_export_vllm_key_names_and_config(material, tmp_path):
     from medusa_lite import MedusaConfig, MedusaModel
     from medusa_lite.targets import load_target
 
-    from train.export_vllm import main as export_main
+    from medusa_lite.train.export_vllm import main as export_main
 
     target, _ = load_target(material["target"])
     for share in (True, False):
@@ -320,7 +331,7 @@ def test_export_vllm_key_names_and_config(material, tmp_path):
 
 
 def test_distill_data_writes_the_targets_answers_and_resumes(material, tmp_path):
-    from train.distill_data import main as distill_main
+    from medusa_lite.train.distill_data import main as distill_main
 
     out = tmp_path / "distill.jsonl"
     args = ["--target", str(material["target"]), "--prompts", str(material["data"]), "--out", str(out),

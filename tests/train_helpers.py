@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 SPECIAL = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|eot|>"]
 NUM_WORDS = 58

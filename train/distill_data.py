@@ -17,13 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from train import data as D  # noqa: E402
+from medusa_lite.train import data as D
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -19,15 +19,11 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+import torch
+from safetensors.torch import load_file, save_file
 
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from medusa_lite.config import WEIGHTS_NAME, MedusaConfig  # noqa: E402
-from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype  # noqa: E402
+from medusa_lite.config import WEIGHTS_NAME, MedusaConfig
+from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
 _LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")

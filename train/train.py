@@ -1,7 +1,7 @@
-"""Fine-tune Medusa heads on a frozen target (self-distillation), with DeepSpeed or in one CPU process.
+"""Fine-tune draft heads on a frozen target (self-distillation); DeepSpeed is the engine, on one CPU or many GPUs.
 
-    medusa-lite train --config configs/train/smollm2-135m.yaml [key=value ...]
-    deepspeed --num_gpus 8 train/train.py --config configs/train/<model>.yaml [key=value ...]
+    medusa-lite train --config smollm2-135m [--key value | key=value ...]
+    deepspeed --num_gpus 8 --module medusa_lite.train.train --config smollm2-135m [--key value ...]
 
 Stages: parse (defaults < YAML < key=value) -> build (target, heads, data, engine) -> run (steps,
 checkpoints, JSONL log) -> save (held-out evaluation, heads directory with card).
@@ -11,7 +11,6 @@ final-norm hidden states are computed once per document and reused every epoch.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -20,78 +19,73 @@ import platform
 import socket
 import sys
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-ROOT = Path(__file__).resolve().parents[1]
-# run as a script, the script's own folder would shadow the ``train`` package: import from the repo root
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from train import data as D  # noqa: E402
-from train.loss import agreement, medusa_loss, num_positions  # noqa: E402
+from medusa_lite.train import data as D
+from medusa_lite.settings import SettingsParser, option, resolve_config
+from medusa_lite.train.loss import agreement, medusa_loss, num_positions
 
 
 # ================================================================================================ config
 @dataclass
 class TrainConfig:
-    """Every training option, flat. Precedence: these defaults < the YAML file < key=value arguments."""
+    """Every training option, flat. Precedence: these defaults < the YAML file < command-line flags."""
 
     # target
-    target: str | None = None             # HF directory or .gguf file; None -> the bundled default target
-    adapter: str | None = None            # PEFT (LoRA) adapter directory, merged into the target
+    target: str | None = option(None, "HF directory or .gguf file; none: the bundled default target")
+    adapter: str | None = option(None, "PEFT (LoRA) adapter directory, merged into the target")
     # heads
-    head_type: str = "medusa"             # 'medusa' (h_t only) or 'hydra' (also reads the drafted path)
-    num_heads: int = 4
-    num_layers: int = 1
-    share_lm_head: bool = True
+    head_type: Literal["medusa", "hydra"] = option("medusa", "medusa: heads read h_t only; hydra: heads also "
+                                                   "read the drafted path")
+    num_heads: int = option(4, "draft heads (positions proposed beyond the target's next token)")
+    num_layers: int = option(1, "ResBlocks per head")
+    share_lm_head: bool = option(True, "heads project with the frozen target lm_head (else one lm_head each)")
     # data
-    data: str = "sharegpt"                # 'sharegpt' or a .json / .jsonl file (chat messages or {"text"})
-    max_samples: int | None = 2000        # documents used for training (after a seeded shuffle)
-    eval_samples: int = 50                # held-out documents (disjoint from training)
-    max_doc_len: int = 1024               # documents are truncated to this many tokens
-    seq_len: int = 256                    # training window length
-    num_proc: int | None = None           # datasets.map workers
+    data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"})")
+    max_samples: int | None = option(2000, "documents used for training, after a seeded shuffle (none: all)")
+    eval_samples: int = option(50, "held-out documents (disjoint from training)")
+    max_doc_len: int = option(1024, "documents are truncated to this many tokens")
+    seq_len: int = option(256, "training window length")
+    num_proc: int | None = option(None, "datasets.map workers")
     # loss / optimisation
-    loss: str = "kl"                      # 'kl' (self-distillation) or 'ce' (data tokens)
-    decay: float = 0.8                    # head k weight decay**k
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    max_steps: int = 200
-    micro_batch_size: int = 4             # windows per rank per micro step
-    grad_accum: int = 1
-    grad_clip: float = 1.0
-    precision: str = "auto"               # 'bf16' (target bf16, heads fp32 + bf16 autocast), 'fp32', or 'auto':
-                                          # bf16 where the hardware runs bf16 matmuls natively, else fp32
-    cache_features: bool = True           # precompute the target's final-norm hidden states once
-    draft_vocab: int | None = None        # heads propose only the N most frequent training tokens (train and
-                                          # decode read N lm_head rows instead of all: speed; stored in the heads)
-    threads: int | None = None            # torch.set_num_threads (1 is fastest on a busy shared CPU)
+    loss: Literal["kl", "ce"] = option("kl", "kl: self-distillation to the target; ce: the data's tokens")
+    decay: float = option(0.8, "head k's loss weight is decay**k")
+    lr: float = option(1e-3, "peak learning rate (AdamW, warmup then cosine)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    warmup_steps: int = option(20, "linear warmup steps")
+    max_steps: int = option(200, "optimiser steps in all")
+    micro_batch_size: int = option(4, "windows per rank per micro step")
+    grad_accum: int = option(1, "micro steps per optimiser step")
+    grad_clip: float = option(1.0, "gradient norm clipping")
+    precision: Literal["auto", "bf16", "fp32"] = option(
+        "auto", "bf16: target bf16, heads fp32 under bf16 autocast; fp32; auto: bf16 where the hardware runs "
+                "bf16 matmuls natively, else fp32")
+    cache_features: bool = option(True, "compute the target's final-norm hidden states once and reuse them")
+    draft_vocab: int | None = option(None, "heads propose only the N most frequent training tokens (training and "
+                                           "decoding read N lm_head rows instead of all; stored in the heads)")
+    threads: int | None = option(None, "torch.set_num_threads (1 is fastest on a busy shared CPU)")
     # engine
-    deepspeed: str | None = "configs/deepspeed/zero2.json"  # DeepSpeed JSON; None -> plain torch loop
+    deepspeed: str = option("zero2", "DeepSpeed JSON: a path or a shipped name (zero2, zero3)")
     # run
-    output_dir: str = "runs/heads"
-    save_every: int = 100                 # checkpoint every N steps (0: only at the end)
-    log_every: int = 10
-    resume: bool = True                   # continue from the latest checkpoint in output_dir
-    max_steps_this_run: int | None = None  # stop (with a checkpoint) after this many steps of this run
-    time_limit_minutes: float | None = None  # stop training (checkpoint, eval, save) after this wall time
-    seed: int = 0
-    progress: bool = True
+    output_dir: str = option("runs/heads", "checkpoints, features, log and the trained heads go here")
+    save_every: int = option(100, "checkpoint every N steps (0: only at the end)")
+    log_every: int = option(10, "log to train_log.jsonl every N steps")
+    resume: bool = option(True, "continue from the latest checkpoint in output_dir")
+    max_steps_this_run: int | None = option(None, "stop (with a checkpoint) after this many steps of this run")
+    time_limit_minutes: float | None = option(None, "stop training (checkpoint, eval, save) after this wall time")
+    seed: int = option(0, "seed of the data order and the heads' initialisation")
+    progress: bool = option(True, "tqdm progress bars")
 
     def __post_init__(self) -> None:
-        if self.loss not in ("kl", "ce"):
-            raise ValueError(f"loss must be 'kl' or 'ce', got {self.loss!r}")
-        if self.head_type not in ("medusa", "hydra"):
-            raise ValueError(f"head_type must be 'medusa' or 'hydra', got {self.head_type!r}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        for name, allowed in (("loss", ("kl", "ce")), ("head_type", ("medusa", "hydra")),
+                              ("precision", ("auto", "bf16", "fp32"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("num_heads", "num_layers", "seq_len", "max_steps", "micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -101,77 +95,15 @@ class TrainConfig:
             raise ValueError(f"seq_len={self.seq_len} must exceed num_heads + 1")
 
 
-_TRUE = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+def settings_parser() -> SettingsParser:
+    parser = SettingsParser(TrainConfig, prog="medusa-lite train", description=__doc__, kind="train")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    return parser
 
 
-def _coerce(name: str, hint: Any, value: Any) -> Any:
-    """``value`` (YAML-typed or a command-line string) -> the field's type, or ValueError naming ``name``."""
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
-    if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "~")):
-        if optional:
-            return None
-        raise ValueError(f"config key {name!r} may not be null")
-    try:
-        if base is bool:
-            if isinstance(value, bool):
-                return value
-            if isinstance(value, str) and value.lower() in _TRUE:
-                return _TRUE[value.lower()]
-            raise TypeError
-        if base is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise TypeError
-            return int(value) if not isinstance(value, str) else int(value.replace("_", ""))
-        if base is float:
-            if isinstance(value, bool):
-                raise TypeError
-            return float(value)
-        if base is str:
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise TypeError
-            return str(value)
-    except (TypeError, ValueError):
-        pass
-    else:
-        raise AssertionError(f"unsupported config type {hint}")
-    raise ValueError(f"config key {name!r} expects {getattr(base, '__name__', base)}"
-                     f"{' or null' if optional else ''}, got {value!r}")
-
-
-def build_config(yaml_path: str | None, overrides: list[str]) -> TrainConfig:
-    """Defaults < YAML < ``key=value`` overrides; an unknown or ill-typed key is a ValueError naming it."""
-    import yaml
-
-    hints = typing.get_type_hints(TrainConfig)
-    values: dict[str, Any] = {}
-    if yaml_path is not None:
-        path = Path(yaml_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"training config {yaml_path} not found")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{yaml_path}: expected a mapping of config keys")
-        values.update(loaded)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"expected key=value, got {item!r}")
-        key, value = item.split("=", 1)
-        values[key.strip()] = value
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise ValueError(f"unknown training config key(s) {unknown}; known keys: {sorted(hints)}")
-    return TrainConfig(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML file of TrainConfig keys")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
-    p.add_argument("overrides", nargs="*", help="key=value TrainConfig overrides")
-    args = p.parse_args(argv)
-    return build_config(args.config, args.overrides), args
+def build_config(config: str | None, overrides: list[str]) -> TrainConfig:
+    """Defaults < the YAML ``config`` (a path or a shipped name) < ``overrides`` (``key=value`` or flags)."""
+    return settings_parser().parse((["--config", config] if config else []) + list(overrides))[0]
 
 
 # ================================================================================================ runtime
@@ -180,35 +112,30 @@ class Runtime:
     rank: int
     world: int
     device: torch.device
-    distributed: bool
+
+
+_ALONE = "MEDUSA_LITE_TRAIN_ALONE"  # set when this process made its own world of one
 
 
 def init_runtime(cfg: TrainConfig) -> Runtime:
-    """Process group: under the deepspeed launcher from its env; alone, a world of one (gloo on CPU)."""
+    """DeepSpeed's process group: under a launcher from its environment; alone, a world of one (gloo on CPU)."""
+    import deepspeed
+
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
-    if cfg.deepspeed is None and "WORLD_SIZE" not in os.environ:
-        return Runtime(0, 1, device, False)
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "WORLD_SIZE" not in os.environ or os.environ.get(_ALONE) == "1":
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(_free_port()), _ALONE: "1"})
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cfg.deepspeed is not None:
-        import deepspeed
+    if device.type == "cpu" and os.environ.get("MEDUSA_LITE_DS_SHM", "0") != "1":
+        # DeepSpeed's CPU backend JIT-compiles a C++ shared-memory all-reduce on first use (minutes,
+        # needs a compiler); plain gloo is plenty for the heads' gradients. MEDUSA_LITE_DS_SHM=1 keeps it.
+        import importlib
 
-        if device.type == "cpu" and os.environ.get("MEDUSA_LITE_DS_SHM", "0") != "1":
-            # DeepSpeed's CPU backend JIT-compiles a C++ shared-memory all-reduce on first use (minutes,
-            # needs a compiler); plain gloo is plenty for the heads' gradients. MEDUSA_LITE_DS_SHM=1 keeps it.
-            import importlib
-
-            importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
-    else:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Runtime(dist.get_rank(), dist.get_world_size(), device, True)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    return Runtime(dist.get_rank(), dist.get_world_size(), device)
 
 
 def _free_port() -> int:
@@ -222,8 +149,16 @@ def log0(rt: Runtime, *msg: Any) -> None:
         print(*msg, flush=True)
 
 
+def leave(rt: Runtime) -> None:
+    """End of a run. Launched ranks leave their process group (torn down at interpreter exit it can abort a
+    rank); a world of one keeps it, since DeepSpeed holds on to it for the next run in this process."""
+    barrier(rt)
+    if os.environ.get(_ALONE) != "1":
+        dist.destroy_process_group()
+
+
 def barrier(rt: Runtime) -> None:
-    if rt.distributed:
+    if rt.world > 1:
         dist.barrier()
 
 
@@ -348,12 +283,7 @@ def cached_features(cfg: TrainConfig, target, data: D.TokenData, rt: Runtime, na
 
 def load_deepspeed_config(cfg: TrainConfig, rt: Runtime) -> dict[str, Any]:
     """The DeepSpeed JSON with batch size, precision and clipping injected from the training config."""
-    path = Path(cfg.deepspeed)
-    if not path.is_absolute() and not path.is_file():
-        path = ROOT / path
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config {cfg.deepspeed} not found")
-    ds = json.loads(path.read_text())
+    ds = json.loads(resolve_config("deepspeed", cfg.deepspeed).read_text())
     ds["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     ds["gradient_accumulation_steps"] = cfg.grad_accum
     ds["train_batch_size"] = cfg.micro_batch_size * cfg.grad_accum * rt.world
@@ -397,77 +327,47 @@ def lr_lambda(cfg: TrainConfig):
 
 
 class Engine:
-    """The heads' optimiser step, through DeepSpeed (ZeRO-2/3) or plain torch; same calls either way."""
+    """The heads' optimiser, scheduler, accumulation, clipping and checkpoints: DeepSpeed (ZeRO-2/3) owns them
+    all, on one CPU process as on many GPUs."""
 
     def __init__(self, cfg: TrainConfig, heads: torch.nn.Module, rt: Runtime):
+        import deepspeed
+
         params = [p for p in heads.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-        self.cfg, self.rt = cfg, rt
-        self.ds_config = None
-        if cfg.deepspeed is not None:
-            import deepspeed
-
-            self.ds_config = load_deepspeed_config(cfg, rt)
-            self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=heads, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler,
-                config=self.ds_config)
-        else:
-            self.module, self.optimizer, self.scheduler = heads, optimizer, scheduler
+        self.ds_config = load_deepspeed_config(cfg, rt)
+        self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=heads, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
         self.heads = heads
 
     @property
     def zero_stage(self) -> int:
-        return int(((self.ds_config or {}).get("zero_optimization") or {}).get("stage", 0))
+        return int((self.ds_config.get("zero_optimization") or {}).get("stage", 0))
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.ds_config is not None:
-            self.module.backward(loss)
-        else:
-            (loss / self.cfg.grad_accum).backward()
+        self.module.backward(loss)
 
-    def step(self, micro: int) -> None:
-        """Called after every micro step; DeepSpeed counts accumulation itself."""
-        if self.ds_config is not None:
-            self.module.step()
-        elif (micro + 1) % self.cfg.grad_accum == 0:
-            if self.cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(self.heads.parameters(), self.cfg.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+    def step(self) -> None:
+        """After every micro step: DeepSpeed steps the optimiser at accumulation boundaries."""
+        self.module.step()
 
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    # -------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: Path, step: int, state: dict[str, Any]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        tag = f"step{step}"
-        if self.ds_config is not None:
-            self.module.save_checkpoint(str(directory), tag=tag, client_state=state)
-        elif self.rt.rank == 0:
-            torch.save({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "client_state": state},
-                       directory / f"{tag}.pt")
-            (directory / "latest").write_text(tag)
-        barrier(self.rt)
+        self.module.save_checkpoint(str(directory), tag=f"step{step}", client_state=state)
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
+        """The client state of the latest checkpoint in ``directory`` (weights, optimiser and scheduler restored),
+        or None when there is none."""
         if not (directory / "latest").is_file():
             return None
-        if self.ds_config is not None:
-            path, state = self.module.load_checkpoint(str(directory))
-            return state if path is not None else None
-        tag = (directory / "latest").read_text().strip()
-        ckpt = torch.load(directory / f"{tag}.pt", map_location="cpu", weights_only=True)
-        self.heads.load_state_dict(ckpt["heads"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        return ckpt["client_state"]
+        path, state = self.module.load_checkpoint(str(directory))
+        return state if path is not None else None
 
     def gathered(self):
         """Context in which the full head parameters are materialised (ZeRO-3 partitions them)."""
@@ -545,16 +445,16 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
     """One optimiser step over this rank's micro batches; returns summed per-head stats."""
     stats = None
     embed = model.base_model.get_input_embeddings()
-    for micro, starts in enumerate(micro_batches):
+    for starts in micro_batches:
         h, teacher, weights, ids = window_inputs(cfg, model, proj, data, hidden, starts, rt)
         with autocast(cfg, rt):
             head_logits = engine(h.float() if cfg.precision == "fp32" else h, proj, ids, embed)  # [K, B, T, V']
         loss, s = medusa_loss(head_logits, teacher, weights, ids, loss=cfg.loss, decay=cfg.decay)
         engine.backward(loss)
-        engine.step(micro)
+        engine.step()
         s = {k: v.detach().float() * (s["count"] if k == "loss" else 1) for k, v in s.items()}
         stats = s if stats is None else {k: stats[k] + s[k] for k in s}
-    if rt.distributed:
+    if rt.world > 1:
         for v in stats.values():
             dist.all_reduce(v)
     return stats
@@ -583,7 +483,7 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
             for k in hits:
                 hits[k] += got[k]
             count += weights[:, :, :n].sum((1, 2)).cpu()
-    if rt.distributed:
+    if rt.world > 1:
         for t in (*hits.values(), count):
             dist.all_reduce(t)
     c = count.clamp(min=1)
@@ -678,15 +578,15 @@ def save_heads(cfg: TrainConfig, model, engine: Engine, rt: Runtime, provenance:
     return out
 
 
-def launch_command(rt: Runtime) -> str:
+def launch_command(rt: Runtime, argv: list[str]) -> str:
     """The command line that started this run, as a user would type it."""
-    args = [a for a in sys.argv[1:] if not a.startswith(("--local_rank", "--local-rank"))]
-    original = getattr(sys, "orig_argv", [])[:3]  # runpy rewrites sys.argv[0]; orig_argv keeps the real one
-    if any(Path(a).name == "medusa-lite" or a == "medusa_lite.cli" for a in original):
-        return " ".join(["medusa-lite train", *args])
+    args = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]
     if rt.world > 1 and "LOCAL_RANK" in os.environ:
-        return " ".join(["deepspeed", "--num_gpus", str(rt.world), "train/train.py", *args])
-    return " ".join(["python", "train/train.py", *args])
+        return " ".join(["deepspeed", "--num_gpus", str(rt.world), "--module", "medusa_lite.train.train", *args])
+    original = getattr(sys, "orig_argv", [])[:3]
+    if "medusa_lite.train.train" in original:
+        return " ".join(["python -m medusa_lite.train.train", *args])
+    return " ".join(["medusa-lite train", *args])
 
 
 def model_card(p: dict[str, Any]) -> str:
@@ -729,7 +629,8 @@ The full training config is `training.config` in `medusa_config.json`.
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.time()
     # --- parse
-    cfg, _ = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = settings_parser().parse(argv)[0]
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rt = init_runtime(cfg)
@@ -754,8 +655,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     stats = run(cfg, model, proj, engine, train_data, train_hidden, rt)
     if not stats["finished"]:
         log0(rt, f"stopped at step {stats['step']} of {cfg.max_steps} (max_steps_this_run); resume to finish")
-        if rt.distributed:
-            dist.destroy_process_group()
+        leave(rt)
         return {"stats": stats}
     # --- save
     metrics = evaluate(cfg, model, engine, eval_data, eval_hidden, rt) if eval_data else {}
@@ -768,15 +668,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_seconds": round(stats["train_seconds"], 1), "wall_seconds": round(time.time() - t0, 1),
         "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
         "hardware": hardware(), "world_size": rt.world,
-        "engine": f"deepspeed ZeRO-{engine.zero_stage}" if cfg.deepspeed else "torch",
-        "command": launch_command(rt), "draft_vocab_coverage": getattr(proj, "coverage", None),
+        "engine": f"deepspeed ZeRO-{engine.zero_stage}",
+        "command": launch_command(rt, argv), "draft_vocab_coverage": getattr(proj, "coverage", None),
         "eval": metrics, "config": dataclasses.asdict(cfg),
     }
     heads_dir = save_heads(cfg, model, engine, rt, provenance)
     log0(rt, f"saved heads to {heads_dir}")
-    if rt.distributed:  # leave cleanly: a process group torn down at interpreter exit can abort the rank
-        dist.barrier()
-        dist.destroy_process_group()
+    leave(rt)
     return {"stats": stats, "eval": metrics, "heads_dir": str(heads_dir)}
 
 

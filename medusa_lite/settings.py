@@ -1,0 +1,159 @@
+"""One settings mechanism for every command: a dataclass, a YAML file and the command line.
+
+Precedence: the dataclass defaults < the YAML file given by ``--config`` < flags on the command line.
+``--config`` takes a path or the name of a file shipped under ``medusa_lite/configs/<kind>/``
+(``medusa-lite train --config smollm2-135m``). Flags are transformers' ``HfArgumentParser`` flags of the
+dataclass fields (``--max_steps 10`` or ``--max-steps 10``; booleans ``--fit false`` / ``--no-fit``);
+``key=value`` is the same flag. A YAML value is checked exactly as the same value typed as a flag, so an
+unknown or ill-typed key is a :class:`SettingsError` naming it, whichever source it came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+CONFIGS_DIR = Path(__file__).parent / "configs"
+_SUFFIXES = {"train": ".yaml", "serve": ".yaml", "deepspeed": ".json", "trees": ".json"}
+_NONE = ("none", "null", "~")
+_KEY_VALUE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+
+
+class SettingsError(ValueError):
+    """An unknown, ill-typed or invalid setting; the message names it."""
+
+
+def shipped_configs(kind: str) -> list[str]:
+    """Names of the files shipped under ``configs/<kind>/``."""
+    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob(f"*{_SUFFIXES.get(kind, '')}"))
+
+
+def resolve_config(kind: str, name_or_path: str | Path) -> Path:
+    """An existing path as given, else the shipped ``configs/<kind>/<name>``: ``'zero2'``, ``'zero2.json'`` and
+    ``'configs/deepspeed/zero2.json'`` (a checkout-relative path of earlier versions) all name the same file."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = CONFIGS_DIR / kind / (path.stem + _SUFFIXES.get(kind, path.suffix))
+    if shipped.is_file() and (path.parent == Path(".") or path.parent.as_posix().endswith(f"configs/{kind}")):
+        return shipped
+    raise FileNotFoundError(f"{kind} config {str(name_or_path)!r}: no such file, and not one of the shipped "
+                            f"{kind} configs {shipped_configs(kind)}")
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs) -> Any:
+    """A settings field with its ``--help`` text: ``lr: float = option(1e-3, "peak learning rate")``."""
+    if isinstance(default, (list, dict)):
+        kwargs["default_factory"] = lambda d=default: type(d)(d)
+    else:
+        kwargs["default"] = default
+    return dataclasses.field(metadata={"help": help}, **kwargs)
+
+
+class SettingsParser:
+    """Parses ``argv`` into the dataclass ``cls`` (defaults < YAML < flags); ``kind`` names the shipped configs
+    ``--config`` may name, ``default_config`` is read when no ``--config`` is given."""
+
+    def __init__(self, cls: type, *, prog: str, description: str | None = None, kind: str | None = None,
+                 default_config: str | None = None):
+        from transformers import HfArgumentParser
+
+        class _Parser(HfArgumentParser):
+            def error(self, message: str):  # argparse would print and exit; callers decide that
+                raise SettingsError(f"{self.prog}: {message}")
+
+        self.cls, self.kind, self.default_config = cls, kind, default_config
+        self.parser = _Parser(cls, prog=prog, description=description,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        if kind is not None:
+            names = ", ".join(shipped_configs(kind)) or "none"
+            self.parser.add_argument("--config", default=default_config,
+                                     help=f"YAML file of these settings, or a shipped name ({names})")
+        self.fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        for action in self.parser._actions:
+            if action.dest in self.fields and action.type is not None:
+                action.type = _checked(action, _optional(self.fields[action.dest], cls))
+
+    def add_argument(self, *args, **kwargs) -> None:
+        """A flag outside the dataclass (e.g. positionals); :meth:`parse` returns it in the namespace."""
+        self.parser.add_argument(*args, **kwargs)
+
+    def parse(self, argv: list[str]) -> tuple[Any, argparse.Namespace]:
+        """(settings, namespace of the extra flags). ``SettingsError`` on any unknown or bad setting."""
+        argv = [_as_flag(a) for a in argv]
+        config = self._config_path(argv)
+        namespace = self.parser.parse_args(self._yaml_flags(config) + argv)
+        values = {name: getattr(namespace, name) for name in self.fields}
+        for name in self.fields:
+            delattr(namespace, name)
+        try:
+            return self.cls(**values), namespace
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"{self.parser.prog}: {e}") from e
+
+    def _config_path(self, argv: list[str]) -> Path | None:
+        if self.kind is None:
+            return None
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config", default=self.default_config)
+        given = pre.parse_known_args(argv)[0].config
+        return None if given is None else resolve_config(self.kind, given)
+
+    def _yaml_flags(self, path: Path | None) -> list[str]:
+        """The YAML file as flags placed before the command line's, so the command line wins."""
+        import yaml
+
+        if path is None:
+            return []
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise SettingsError(f"{path}: expected a mapping of settings")
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise SettingsError(f"{path}: unknown setting(s) {unknown}; known: {sorted(self.fields)}")
+        flags = []
+        for key, value in data.items():
+            if isinstance(value, (dict, list)):
+                raise SettingsError(f"{path}: setting {key!r} expects a single value, got {value!r}")
+            text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            flags.append(f"--{key}={text}")
+        return flags
+
+
+def _as_flag(arg: str) -> str:
+    """``key=value`` (the form training commands have always taken) -> ``--key=value``."""
+    match = _KEY_VALUE.match(arg)
+    return f"--{match.group(1)}={match.group(2)}" if match else arg
+
+
+def _optional(field: dataclasses.Field, cls: type) -> bool:
+    import typing
+
+    return type(None) in typing.get_args(typing.get_type_hints(cls)[field.name])
+
+
+def _checked(action: argparse.Action, optional: bool) -> Callable[[str], Any]:
+    """The flag's converter, taking 'none'/'null' for optional settings, with an error that names the setting."""
+    name, convert = action.dest, action.type
+    if action.choices:
+        kind = "one of " + ", ".join(map(str, action.choices))
+    else:
+        kind = {"string_to_bool": "true or false"}.get(convert.__name__, getattr(convert, "__name__", "a value"))
+
+    def parse(text: str) -> Any:
+        if text.lower() in _NONE:
+            if optional:
+                return None
+            raise argparse.ArgumentTypeError(f"setting {name!r} may not be null")
+        try:
+            value = convert(text)
+            if action.choices and value not in action.choices:
+                raise ValueError(text)
+            return value
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"setting {name!r} expects {kind}"
+                                             f"{' or null' if optional else ''}, got {text!r}") from None
+    return parse
