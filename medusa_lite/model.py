@@ -103,6 +103,7 @@ class MedusaModel(nn.Module):
         self._fits: dict[tuple, HardwareFit] = {}
         self._guards: dict[tuple, list[SpeedGuard]] = {}
         self._kernels: dict[tuple, object] = {}  # verify kernels (medusa_lite.kernels) the probe found faster
+        self.heads_dir: Path | None = None  # where from_pretrained read the heads; None: fresh heads
         if freeze:
             base_model.requires_grad_(False)
             base_model.eval()
@@ -137,6 +138,7 @@ class MedusaModel(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
         model.acceptance = AcceptanceTable.load(heads_dir)
+        model.heads_dir = heads_dir
         return model
 
     # ------------------------------------------------------------------ properties

@@ -53,6 +53,25 @@ def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs) -> Any:
     return dataclasses.field(metadata={"help": help}, **kwargs)
 
 
+class Ints(tuple):
+    """A comma-separated list of integers as one flag: ``--sizes 4,8,16``; ``''`` is empty (YAML: a list)."""
+
+    label = "comma-separated integers"
+
+    def __new__(cls, items: str | tuple | list = ()):
+        parts = items.split(",") if isinstance(items, str) else items
+        return super().__new__(cls, (cls.item(x) for x in parts if str(x).strip()))
+
+    item = staticmethod(int)
+
+
+class Names(Ints):
+    """A comma-separated list of names as one flag: ``--methods plain,medusa``."""
+
+    label = "comma-separated names"
+    item = staticmethod(lambda x: str(x).strip())
+
+
 class SettingsParser:
     """Parses ``argv`` into the dataclass ``cls`` (defaults < YAML < flags); ``kind`` names the shipped configs
     ``--config`` may name, ``default_config`` is read when no ``--config`` is given."""
@@ -81,9 +100,12 @@ class SettingsParser:
         """A flag outside the dataclass (e.g. positionals); :meth:`parse` returns it in the namespace."""
         self.parser.add_argument(*args, **kwargs)
 
-    def parse(self, argv: list[str]) -> tuple[Any, argparse.Namespace]:
-        """(settings, namespace of the extra flags). ``SettingsError`` on any unknown or bad setting."""
-        argv = [_as_flag(a) for a in argv]
+    def parse(self, argv: list[str] | None = None) -> tuple[Any, argparse.Namespace]:
+        """(settings, namespace of the extra flags) from ``argv`` (default ``sys.argv[1:]``). ``SettingsError``
+        on any unknown or bad setting."""
+        import sys
+
+        argv = [_as_flag(a) for a in (sys.argv[1:] if argv is None else argv)]
         config = self._config_path(argv)
         namespace = self.parser.parse_args(self._yaml_flags(config) + argv)
         values = {name: getattr(namespace, name) for name in self.fields}
@@ -116,9 +138,12 @@ class SettingsParser:
             raise SettingsError(f"{path}: unknown setting(s) {unknown}; known: {sorted(self.fields)}")
         flags = []
         for key, value in data.items():
-            if isinstance(value, (dict, list)):
-                raise SettingsError(f"{path}: setting {key!r} expects a single value, got {value!r}")
-            text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            if isinstance(value, dict):
+                raise SettingsError(f"{path}: setting {key!r} expects a value, got a mapping {value!r}")
+            if isinstance(value, list):  # for Ints / Names settings; any other setting rejects the comma
+                text = ",".join(map(str, value))
+            else:
+                text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             flags.append(f"--{key}={text}")
         return flags
 
@@ -141,7 +166,8 @@ def _checked(action: argparse.Action, optional: bool) -> Callable[[str], Any]:
     if action.choices:
         kind = "one of " + ", ".join(map(str, action.choices))
     else:
-        kind = {"string_to_bool": "true or false"}.get(convert.__name__, getattr(convert, "__name__", "a value"))
+        kind = getattr(convert, "label", None) or {"string_to_bool": "true or false"}.get(
+            getattr(convert, "__name__", ""), getattr(convert, "__name__", "a value"))
 
     def parse(text: str) -> Any:
         if text.lower() in _NONE:

@@ -101,18 +101,40 @@ def load_target(path: str | Path | None = None, *, dtype: str | torch.dtype = "f
     return model, tokenizer
 
 
-def load_default(dtype: str | torch.dtype = "fp32", device: str = "cpu", heads: str | Path | None = None):
-    """(MedusaModel, tokenizer) for the default target with the bundled heads (fresh heads if none ship)."""
-    from .config import MedusaConfig
+def load_model(target: str | Path | None = None, heads: str | Path | None = None, *,
+               dtype: str | torch.dtype = "fp32", device: str = "cpu"):
+    """(MedusaModel, tokenizer): the one way every command builds a model.
+
+    ``target``: an HF directory or ``.gguf`` file; None -> the default target. ``heads``: a heads directory
+    (a mismatched target is a ``HeadsMismatchError``); None -> the bundled heads for the default target, else
+    fresh zero-initialised heads (about one token per step), with a warning. ``model.heads_dir`` says which.
+    """
+    import warnings
+
+    from .config import CONFIG_NAME, MedusaConfig
     from .model import MedusaModel
 
-    target, tokenizer = load_target(None, dtype=dtype, device=device)
-    heads_dir = Path(heads) if heads is not None else PRETRAINED_DIR
-    if (heads_dir / "medusa_config.json").is_file():
-        return MedusaModel.from_pretrained(target, heads_dir), tokenizer
+    base, tokenizer = load_target(target, dtype=dtype, device=device)
+    if heads is None and target is None and has_bundled_heads():
+        heads = PRETRAINED_DIR
     if heads is not None:
-        raise FileNotFoundError(f"{heads_dir} is not a heads directory")
-    return MedusaModel(target, MedusaConfig(num_heads=4, base_model=DEFAULT_TARGET)), tokenizer
+        if not (Path(heads) / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"{heads} is not a heads directory (no {CONFIG_NAME})")
+        model = MedusaModel.from_pretrained(base, heads)
+    else:
+        warnings.warn("no heads given: fresh (zero-initialised) heads, so expect about one token per step",
+                      stacklevel=2)
+        model = MedusaModel(base, MedusaConfig(num_heads=4, base_model=str(target or DEFAULT_TARGET)))
+    return model, tokenizer
+
+
+def describe_heads(model) -> str:
+    """Where ``model``'s heads came from, for reports: bundled, a directory, or fresh."""
+    if model.heads_dir is None:
+        return "fresh (untrained, zero-initialised)"
+    if Path(model.heads_dir).resolve() == PRETRAINED_DIR.resolve():
+        return f"bundled ({PRETRAINED_DIR.name})"
+    return str(model.heads_dir)
 
 
 def has_bundled_heads() -> bool:

@@ -132,8 +132,11 @@ def chain(depth: int) -> Choices:
 
 
 def load_tree(path: str | Path) -> TreeSpec:
-    """Read a tree JSON file: a list of paths, ``{"choices": [...]}`` or ``{"dynamic": {...}}``."""
-    data = json.loads(Path(path).read_text())
+    """Read a tree JSON file (or a shipped tree by name, ``'medusa-16'``): a list of paths,
+    ``{"choices": [...]}`` or ``{"dynamic": {...}}``."""
+    from .settings import resolve_config
+
+    data = json.loads(resolve_config("trees", path).read_text())
     return parse_tree(data["choices"] if isinstance(data, dict) and "choices" in data else data)
 
 

@@ -13,20 +13,22 @@ Timings are whatever this machine gives; the report never judges them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
-from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite import MedusaModel
+from medusa_lite.settings import Names, SettingsParser, option
 from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_questions
-from medusa_lite.targets import PRETRAINED_DIR, load_default, load_target
+from medusa_lite.targets import describe_heads, load_model
 from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
 
 METHODS = ("plain", "pld", "medusa", "loop", "stored")
@@ -39,59 +41,45 @@ LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_l
 
 
 # ------------------------------------------------------------------------------------------ parse
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="medusa-lite bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
-    p.add_argument("--target", default=None, help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", default=None, help="heads directory (default: the bundled heads, else fresh heads)")
-    p.add_argument("--tree", default=None, help="tree JSON file (default: the tree fitted to this machine)")
-    p.add_argument("--no-fit", dest="fit", action="store_false",
-                   help="decode with the heads' stored tree instead of the tree fitted to this machine")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--limit", type=int, default=None, help="questions per task (default: all 80)")
-    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated Spec-Bench tasks")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); e.g. 1.0 to sample")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated subset of {','.join(METHODS)} (loop: medusa_lite with no tree, a reference)")
-    p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--out", default="runs/bench", help="output directory")
-    args = p.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = sorted(set(args.methods) - set(METHODS))
-    if bad or not args.methods:
-        p.error(f"--methods: unknown {bad}; choose from {','.join(METHODS)}")
-    if "plain" not in args.methods:
-        args.methods.insert(0, "plain")  # the reference every speedup and exact-match is measured against
-    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    return args
+@dataclass
+class BenchSettings:
+    """``medusa-lite bench`` settings: these defaults < ``--config FILE`` < flags."""
+
+    questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl (default: the copy shipped with "
+                                                    "medusa_lite)")
+    target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    heads: str | None = option(None, "heads directory (default: the bundled heads, else fresh heads)")
+    tree: str | None = option(None, "tree JSON file or a shipped tree name (default: the tree fitted to this machine)")
+    fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
+    dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")
+    device: str = option("cpu", "cpu or cuda")
+    max_new_tokens: int = option(256, "new tokens per question")
+    limit: int | None = option(None, "questions per task (default: all 80)")
+    tasks: Names = option(Names(TASKS), "Spec-Bench tasks")
+    temperature: float = option(0.0, "0 = greedy (default); e.g. 1.0 to sample")
+    methods: Names = option(Names(DEFAULT_METHODS), f"subset of {','.join(METHODS)} (loop: medusa_lite with no "
+                                                    "tree, a reference); plain is always run")
+    prompt_lookup_tokens: int = option(10, "prompt_lookup_num_tokens for pld")
+    seed: int = option(0, "sampling seed")
+    threads: int | None = option(None, "torch.set_num_threads (default: torch's choice)")
+    out: str = option("runs/bench", "output directory")
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.methods) - set(METHODS))
+        if bad or not self.methods:
+            raise ValueError(f"methods: unknown {bad}; choose from {','.join(METHODS)}")
+        if "plain" not in self.methods:  # the reference every speedup and exact-match is measured against
+            self.methods = Names(("plain", *self.methods))
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
 
 
-# ------------------------------------------------------------------------------------------ build
-def build_model(args: argparse.Namespace) -> tuple[MedusaModel, object, str]:
-    """(MedusaModel, tokenizer, description of the heads)."""
-    if args.target is None:
-        model, tokenizer = load_default(dtype=args.dtype, device=args.device, heads=args.heads)
-        if args.heads is not None:
-            heads = str(args.heads)
-        elif (PRETRAINED_DIR / "medusa_config.json").is_file():
-            heads = f"bundled ({PRETRAINED_DIR.name})"
-        else:
-            heads = "fresh (untrained, zero-initialised)"
-        return model, tokenizer, heads
-    target, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)
-    if args.heads is not None:
-        return MedusaModel.from_pretrained(target, args.heads), tokenizer, str(args.heads)
-    return MedusaModel(target, MedusaConfig(num_heads=4)), tokenizer, "fresh (untrained, zero-initialised)"
+def parse_args(argv: list[str] | None = None) -> BenchSettings:
+    parser = SettingsParser(BenchSettings, prog="medusa-lite bench", description=__doc__, kind="bench")
+    return parser.parse(argv)[0]
 
 
-def generation_kwargs(args: argparse.Namespace, tokenizer, target) -> dict:
+def generation_kwargs(args: BenchSettings, tokenizer, target) -> dict:
     """Decoding options shared by every method: greedy, or pure sampling at the given temperature."""
     eos = target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
@@ -364,7 +352,8 @@ def main(argv: list[str] | None = None) -> dict:
     greedy = args.temperature == 0
 
     # build
-    model, tokenizer, heads = build_model(args)
+    model, tokenizer = load_model(args.target, args.heads, dtype=args.dtype, device=args.device)
+    heads = describe_heads(model)
     target = model.base_model
     if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
         model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))

@@ -24,75 +24,76 @@ fastest measured decoding wins. It is stored as the dtype's sampling tree (``dty
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
 
-from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite import MedusaConfig
 from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, final_hidden,
                                      interpolate_latency, measure_forward_latency, measure_head_accuracy,
                                      measure_sampling, monotone_latency, replay_acceptance)
 from medusa_lite.config import TREE_NAME, dtype_name, sample_key
 from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
-from medusa_lite.targets import PRETRAINED_DIR, load_target
+from medusa_lite.settings import Ints, SettingsParser, option
+from medusa_lite.targets import PRETRAINED_DIR, load_model
 from medusa_lite.tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json, tree_nodes
 
 REPORT_NAME = "calibration.json"
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+@dataclass
+class CalibrateSettings:
+    """``medusa-lite calibrate`` settings: these defaults < ``--config FILE`` < flags."""
+
+    heads: str = option(str(PRETRAINED_DIR), "heads directory (default: the bundled heads)")
+    target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    dtype: Literal["fp32", "bf16"] = option("fp32", "dtype to measure latency in")
+    questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl (prompts)")
+    per_task: int = option(2, "held-out prompts per Spec-Bench task (the last ones)")
+    max_new_tokens: int = option(96, "length of the target's continuations")
+    topk: int = option(10, "ranks measured per head")
+    sizes: Ints = option(Ints(DEFAULT_SIZES), "tree sizes (nodes, root excluded)")
+    latency_tokens: Ints = option(Ints(DEFAULT_LATENCY_TOKENS), "numbers of tree tokens (root included) whose "
+                                                                "forward latency is measured")
+    cache_len: int = option(256, "cache length during the latency measurement")
+    repeats: int = option(5, "timed repeats per latency point")
+    threads: int | None = option(None, "torch.set_num_threads (default: torch's choice)")
+    seed: int = option(0, "seed")
+    out: str | None = option(None, f"report JSON (default: HEADS/{REPORT_NAME})")
+    dry_run: bool = option(False, "report only; leave the heads directory unchanged")
+    continuations: str | None = option(None, "JSON cache of the target's continuations: reused when it matches, "
+                                             "else written")
+    replay: bool = option(True, "replay trees on the continuations; --no-replay: score trees by the independence "
+                                "formula only (faster; no dynamic trees)")
+    stride: int = option(2, "replay every N-th position of the continuations")
+    lookup: Ints = option(Ints((4, 8, 12, 16)), "prompt-lookup branch lengths tried with the best trees")
+    temperature: float = option(0.0, "0: the greedy tree (default); > 0: the tree for sampling at this temperature")
+    sample_sizes: Ints = option(Ints((4, 8, 12)), "tree sizes run when --temperature > 0")
+    sample_lookup: Ints = option(Ints((0, 4)), "prompt-lookup lengths (0: none) run then")
+    acceptance: bool = option(False, "write the heads' hardware-independent acceptance table (acceptance.json: "
+                                     "every candidate tree's tokens per step by context length, greedy replayed "
+                                     "and sampled), from which generate fits the tree to whatever machine it runs "
+                                     "on; no latency is measured")
+    sample_temperature: float = option(1.0, "temperature of the table's sampled runs")
+    sample_prompts: int | None = option(None, "run the table's sampled candidates after this many of the prompts "
+                                              "(default: all)")
+    save_tree: str | None = option(None, "also write the chosen tree to this JSON file (for bench --tree)")
+
+    def __post_init__(self) -> None:
+        tokens = set(self.latency_tokens) | {1, max(self.sizes) + 1}  # 1: plain decoding's forward, the baseline
+        self.latency_tokens = Ints(sorted(tokens))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="medusa-lite calibrate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", default=str(PRETRAINED_DIR), help="heads directory (default: the bundled heads)")
-    p.add_argument("--target", default=None, help="target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype to measure latency in")
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl (prompts)")
-    p.add_argument("--per-task", type=int, default=2, help="held-out prompts per Spec-Bench task (the last ones)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's continuations")
-    p.add_argument("--topk", type=int, default=10, help="ranks measured per head")
-    p.add_argument("--sizes", type=_ints, default=list(DEFAULT_SIZES), help="tree sizes (nodes, root excluded)")
-    p.add_argument("--latency-tokens", type=_ints, default=list(DEFAULT_LATENCY_TOKENS),
-                   help="numbers of tree tokens (root included) whose forward latency is measured")
-    p.add_argument("--cache-len", type=int, default=256, help="cache length during the latency measurement")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help=f"report JSON (default: HEADS/{REPORT_NAME})")
-    p.add_argument("--dry-run", action="store_true", help="report only; leave the heads directory unchanged")
-    p.add_argument("--continuations", default=None,
-                   help="JSON cache of the target's continuations: reused when it matches, else written")
-    p.add_argument("--no-replay", dest="replay", action="store_false",
-                   help="score trees by the independence formula only (faster; no dynamic trees)")
-    p.add_argument("--stride", type=int, default=2, help="replay every N-th position of the continuations")
-    p.add_argument("--lookup", type=_ints, default=[4, 8, 12, 16], help="prompt-lookup branch lengths tried with the best trees")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0: the greedy tree (default); > 0: the tree for sampling at this temperature")
-    p.add_argument("--sample-sizes", type=_ints, default=[4, 8, 12], help="tree sizes run when --temperature > 0")
-    p.add_argument("--sample-lookup", type=_ints, default=[0, 4], help="prompt-lookup lengths (0: none) run then")
-    p.add_argument("--acceptance", action="store_true",
-                   help="write the heads' hardware-independent acceptance table (acceptance.json: every candidate "
-                        "tree's tokens per step by context length, greedy replayed and sampled), from which "
-                        "generate fits the tree to whatever machine it runs on; no latency is measured")
-    p.add_argument("--sample-temperature", type=float, default=1.0, help="temperature of the table's sampled runs")
-    p.add_argument("--sample-prompts", type=int, default=None,
-                   help="run the table's sampled candidates after this many of the prompts (default: all)")
-    p.add_argument("--save-tree", default=None, help="also write the chosen tree to this JSON file (for bench --tree)")
-    args = p.parse_args(argv)
-    if max(args.latency_tokens) < max(args.sizes) + 1:
-        args.latency_tokens.append(max(args.sizes) + 1)
-    if 1 not in args.latency_tokens:
-        args.latency_tokens.insert(0, 1)  # plain decoding's forward, the baseline
-    return args
+def parse_args(argv: list[str] | None = None) -> CalibrateSettings:
+    parser = SettingsParser(CalibrateSettings, prog="medusa-lite calibrate", description=__doc__, kind="calibrate")
+    return parser.parse(argv)[0]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -104,8 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     heads_dir = Path(args.heads)
 
     # build
-    target, tokenizer = load_target(args.target, dtype=args.dtype)
-    model = MedusaModel.from_pretrained(target, heads_dir)
+    model, tokenizer = load_model(args.target, heads_dir, dtype=args.dtype)
+    target = model.base_model
     model.fit_enabled = False  # calibration measures trees itself
     questions = load_questions(args.questions, limit=args.per_task, from_end=True)
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-import medusa_lite
+from medusa_lite.settings import SettingsParser, option
 from medusa_lite.specbench import chat_prompt
-from medusa_lite.targets import has_bundled_heads
+from medusa_lite.targets import load_model
 
 PROMPTS = [
     "What are three tips for staying healthy?",
@@ -18,14 +19,18 @@ PROMPTS = [
 ]
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--heads", default=None, help="heads directory (default: the bundled heads)")
-    p.add_argument("--no-fit", dest="fit", action="store_false",
-                   help="decode with the heads' stored tree instead of the tree fitted to this machine")
-    return p.parse_args()
+@dataclass
+class DemoSettings:
+    """``medusa-lite demo`` settings: these defaults < ``--config FILE`` < flags."""
+
+    dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")
+    max_new_tokens: int = option(128, "new tokens per prompt")
+    heads: str | None = option(None, "heads directory (default: the bundled heads)")
+    fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
+
+
+def parse_args(argv: list[str] | None = None) -> DemoSettings:
+    return SettingsParser(DemoSettings, prog="medusa-lite demo", description=__doc__, kind="demo").parse(argv)[0]
 
 
 def timed(fn):
@@ -34,12 +39,10 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.manual_seed(0)
-    model, tok = medusa_lite.load_default(dtype=args.dtype, heads=args.heads)
-    if args.heads is None and not has_bundled_heads():
-        print("NOTE: no trained heads ship yet: using fresh (zero-initialised) heads, so expect ~1 token/forward.")
+    model, tok = load_model(None, args.heads, dtype=args.dtype)
     model.fit_enabled = args.fit
     fit = model.fit_hardware() if args.fit else None
     print(fit.report() if fit else "tree: the heads' stored tree (no hardware fit)")

@@ -15,7 +15,6 @@ A tool that reports: nothing here asserts timings.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shlex
@@ -24,9 +23,12 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from medusa_lite.settings import Ints, SettingsParser, option
 
 PROMPTS = [
     "What are three tips for staying healthy?",
@@ -40,18 +42,23 @@ PROMPTS = [
 ]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--spawn", metavar="SERVE_ARGS", default=None,
-                   help="start `medusa-lite serve SERVE_ARGS` on a free port instead of using --url")
-    p.add_argument("--concurrency", default="1,4,8", help="comma-separated client counts")
-    p.add_argument("--requests", type=int, default=1, help="requests per client per level")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return p.parse_args(argv)
+@dataclass
+class LoadtestSettings:
+    """``medusa-lite loadtest`` settings: these defaults < ``--config FILE`` < flags."""
+
+    url: str = option("http://127.0.0.1:8000", "server to load")
+    spawn: str | None = option(None, "start `medusa-lite serve SPAWN` on a free port instead of using --url")
+    concurrency: Ints = option(Ints((1, 4, 8)), "client counts, one level each")
+    requests: int = option(1, "requests per client per level")
+    max_tokens: int = option(64, "max_tokens per request")
+    temperature: float = option(0.0, "sampling temperature (0: greedy)")
+    timeout: float = option(600.0, "per request, seconds")
+    json: str | None = option(None, "also write the results here")
+
+
+def parse_args(argv: list[str] | None = None) -> LoadtestSettings:
+    return SettingsParser(LoadtestSettings, prog="medusa-lite loadtest", description=__doc__,
+                          kind="loadtest").parse(argv)[0]
 
 
 def spawn_server(serve_args: str, timeout: float = 300.0) -> tuple[subprocess.Popen, str]:
@@ -138,7 +145,7 @@ async def run_level(url: str, model: str, clients: int, args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     # 1. parse
     args = parse_args(argv)
-    levels = [int(x) for x in args.concurrency.split(",")]
+    levels = list(args.concurrency)
     # 2. server: given or spawned
     proc, url = spawn_server(args.spawn) if args.spawn is not None else (None, args.url.rstrip("/"))
     try:
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['ttft_max_s']:.2f} | {r['client_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
               f"{r['tokens_per_step']:.2f} |")
     if args.json is not None:
-        args.json.write_text(json.dumps({"model": model, "max_tokens": args.max_tokens, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": model, "max_tokens": args.max_tokens, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

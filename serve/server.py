@@ -8,15 +8,14 @@ for the oldest admitted request; up to ``max_queue`` more wait in a FIFO queue a
 429. A request whose client disconnects is cancelled: a waiting one leaves the queue at once, a running
 one stops at its next decoding step (the streamer raises inside ``generate``).
 
-Settings: defaults < ``configs/serve.yaml`` (or ``--config FILE``) < command-line flags.
+Settings (``medusa_lite.settings``): defaults < the shipped ``configs/serve/default.yaml`` (or ``--config FILE``)
+< command-line flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import dataclasses
 import json
 import logging
 import threading
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 import torch
-import yaml
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
@@ -38,34 +36,33 @@ from starlette.requests import ClientDisconnect
 from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite import MedusaModel
 from medusa_lite.generate import GenerationStats, context_length
-from medusa_lite.targets import DEFAULT_TARGET, has_bundled_heads, load_default, load_target
+from medusa_lite.settings import SettingsParser, option
+from medusa_lite.targets import DEFAULT_TARGET, load_model
 from medusa_lite.tree import tree_nodes
 
 log = logging.getLogger("medusa_lite.serve")
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "configs" / "serve.yaml"
 
 
 # ====================================================================== settings
 @dataclass
 class Settings:
-    """Server settings. Precedence: these defaults < YAML file < command-line flags."""
+    """Server settings. Precedence: these defaults < the YAML file (``--config``; the shipped ``default``) < flags."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    target: str | None = None            # HF directory or .gguf file; None -> the bundled default target
-    heads: str | None = None             # heads directory; None -> bundled heads (default target) or fresh heads
-    dtype: str = "fp32"                  # fp32 | bf16 | fp16
-    device: str = "cpu"
-    served_model_name: str | None = None  # the "model" clients send; None -> the target's name
-    max_queue: int = 16                  # requests waiting behind the running one; more -> 429
-    default_max_tokens: int = 256        # when a request gives no max_tokens (capped by the context window)
-    max_body_bytes: int = 1 << 20        # larger request bodies -> 413
-    threads: int | None = None           # torch intra-op threads; None -> torch's default
-    shutdown_timeout: float = 10.0       # seconds to finish in-flight requests on SIGINT/SIGTERM
-    log_level: str = "info"
+    host: str = option("127.0.0.1", "listen address (0.0.0.0: all interfaces)")
+    port: int = option(8000, "listen port")
+    target: str | None = option(None, "HF directory or .gguf file; none: the bundled default target")
+    heads: str | None = option(None, "heads directory; none: the bundled heads (default target), else fresh heads")
+    dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "target dtype")
+    device: str = option("cpu", "cpu or cuda")
+    served_model_name: str | None = option(None, "the model id clients send; none: the target's name")
+    max_queue: int = option(16, "requests waiting behind the running one; more get 429")
+    default_max_tokens: int = option(256, "max_tokens when a request gives none (capped by the context window)")
+    max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
+    threads: int | None = option(None, "torch intra-op threads; none: torch's default")
+    shutdown_timeout: float = option(10.0, "seconds in-flight requests get to finish on SIGINT / SIGTERM")
+    log_level: Literal["debug", "info", "warning", "error"] = option("info", "log level")
 
     def __post_init__(self) -> None:
         checks = {"port": 0 <= self.port < 65536, "max_queue": self.max_queue >= 0,
@@ -76,62 +73,16 @@ class Settings:
             raise ValueError(f"invalid serve settings: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
 
 
-def load_settings(yaml_path: Path | None, overrides: dict[str, Any]) -> Settings:
-    """Defaults < YAML < ``overrides`` (flags given on the command line). Unknown YAML keys raise."""
-    values: dict[str, Any] = {}
-    if yaml_path is not None and yaml_path.is_file():
-        data = yaml.safe_load(yaml_path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{yaml_path}: expected a mapping of settings")
-        known = {f.name for f in dataclasses.fields(Settings)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{yaml_path}: unknown settings {unknown}; known: {sorted(known)}")
-        values.update(data)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[Path | None, dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="medusa-lite serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=None, help=f"YAML settings (default: {DEFAULT_CONFIG})")
-    # every flag defaults to None: "not given", so the YAML value (or the dataclass default) stays
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="default 8000")
-    p.add_argument("--target", help="HF model directory or .gguf file (default: the bundled SmolLM2-135M)")
-    p.add_argument("--heads", help="heads directory (default: bundled heads, else fresh heads)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default fp32")
-    p.add_argument("--device", help="default cpu")
-    p.add_argument("--served-model-name", dest="served_model_name", help="the model id clients send")
-    p.add_argument("--max-queue", dest="max_queue", type=int, help="waiting requests before 429 (default 16)")
-    p.add_argument("--default-max-tokens", dest="default_max_tokens", type=int,
-                   help="max_tokens when a request gives none (default 256)")
-    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, help="larger bodies get 413 (default 1 MiB)")
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
-    p.add_argument("--shutdown-timeout", dest="shutdown_timeout", type=float,
-                   help="seconds in-flight requests get on SIGINT/SIGTERM (default 10)")
-    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
-    args = vars(p.parse_args(argv))
-    config = args.pop("config")
-    return (config if config is not None else DEFAULT_CONFIG), args
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    parser = SettingsParser(Settings, prog="medusa-lite serve", description=__doc__, kind="serve",
+                            default_config="default")
+    return parser.parse(argv)[0]
 
 
 def build_model(settings: Settings) -> tuple[MedusaModel, Any, str]:
     """(model, tokenizer, served name) from the settings."""
-    if settings.target is None:
-        model, tok = load_default(dtype=settings.dtype, device=settings.device, heads=settings.heads)
-        name = DEFAULT_TARGET
-        if settings.heads is None and not has_bundled_heads():
-            log.warning("no bundled heads ship yet: fresh (zero-initialised) heads, about one token per step")
-    else:
-        target, tok = load_target(settings.target, dtype=settings.dtype, device=settings.device)
-        if settings.heads is not None:
-            model = MedusaModel.from_pretrained(target, settings.heads)
-        else:
-            log.warning("no --heads given: fresh (zero-initialised) heads, so expect about one token per step")
-            model = MedusaModel(target, MedusaConfig(num_heads=4, base_model=str(settings.target)))
-        name = Path(settings.target).name
+    model, tok = load_model(settings.target, settings.heads, dtype=settings.dtype, device=settings.device)
+    name = Path(settings.target).name if settings.target else DEFAULT_TARGET
     return model, tok, settings.served_model_name or name
 
 
@@ -834,8 +785,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     # 1. settings: defaults < YAML < flags
-    yaml_path, flags = parse_args(argv)
-    settings = load_settings(yaml_path, flags)
+    settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import runpy
 import sys
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 from tiny_chat import save_tiny_target
 
-ROOT = Path(__file__).resolve().parents[1]
 
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["write a short story about the sea", "now shorter"]},
@@ -22,8 +20,9 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT))
-    return runpy.run_path(str(ROOT / "serve" / "bench.py"))
+    import medusa_lite.serve.bench as bench
+
+    return vars(bench)
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +121,11 @@ def test_mismatch_reports_position_and_logit_gap(bench, setup):
     assert found[0]["logit_gap"] > 0  # plain's token is the target's argmax there
 
 
-def test_cli_dispatches_bench_and_calibrate(capsys, monkeypatch):
+def test_cli_dispatches_every_command(capsys):
+    from medusa_lite.cli import COMMANDS
     from medusa_lite.cli import main as cli
 
-    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the CLI rewrites sys.argv; restore it afterwards
-
-    for command in ("bench", "calibrate"):
+    for command in COMMANDS:
         with pytest.raises(SystemExit) as exit_:
             cli([command, "--help"])
         assert exit_.value.code == 0

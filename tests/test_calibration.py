@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import runpy
 import sys
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_f
 from medusa_lite.targets import load_target
 from medusa_lite.tree import expected_length, grow_tree, load_tree, tree_json
 
-ROOT = Path(__file__).resolve().parents[1]
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
 
 
@@ -93,11 +91,10 @@ def _calibrate_setup(tmp_path, config: MedusaConfig, questions: dict[int, str], 
     model.save_pretrained(heads)
     path = tmp_path / "q.jsonl"
     path.write_text("".join(json.dumps({"question_id": i, "turns": [text]}) + "\n" for i, text in questions.items()))
-    sys.path.insert(0, str(ROOT))
-    cli = runpy.run_path(str(ROOT / "serve" / "calibrate.py"))
+    from medusa_lite.serve.calibrate import main
 
     def run(*args):
-        return cli["main"](["--heads", str(heads), "--target", str(target_dir), "--questions", str(path), "--per-task",
+        return main(["--heads", str(heads), "--target", str(target_dir), "--questions", str(path), "--per-task",
                             "1", "--cache-len", "16", "--repeats", "1", "--threads", "1", *args])
     return target_dir, heads, run
 

@@ -20,7 +20,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_model():
-    return medusa_lite.load_default(dtype="fp32")
+    return medusa_lite.load_model(dtype="fp32")
 
 
 @pytest.mark.slow

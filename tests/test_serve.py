@@ -6,8 +6,6 @@ where a request must stay busy long enough to be cancelled.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import signal
 import sys
@@ -20,6 +18,9 @@ import torch
 
 from _serve_utils import ROOT, ServerProcess, metric, save_tiny_model
 
+import medusa_lite.serve.loadtest as loadtest
+import medusa_lite.serve.server as server_module
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
@@ -29,14 +30,6 @@ CONTEXT = 1024
 LONG_PROMPT = "The quick brown fox"  # greedy continuation has no EOS within 1000 tokens (fixed seed)
 
 
-@functools.cache
-def _server_module():
-    """serve/server.py imported as a module (serve/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("medusa_lite_serve_server", ROOT / "serve" / "server.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -104,18 +97,19 @@ def sse_events(response: httpx.Response) -> list:
 
 # ---------------------------------------------------------------- unit: settings, metric definitions
 def test_settings_precedence_and_unknown_keys(tmp_path):
-    server = _server_module()
-    shipped = server.load_settings(ROOT / "configs" / "serve.yaml", {})
-    assert shipped == server.Settings()  # the shipped YAML states the defaults
+    server = server_module
+    assert server.parse_settings([]) == server.Settings()  # the shipped YAML states the defaults
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("port: 9000\nmax_queue: 3\n")
-    s = server.load_settings(cfg, {"port": 9100, "dtype": None})
+    s = server.parse_settings(["--config", str(cfg), "--port", "9100"])
     assert (s.port, s.max_queue, s.dtype) == (9100, 3, "fp32")  # flag > YAML > default
     cfg.write_text("prot: 9000\n")
     with pytest.raises(ValueError, match="prot"):
-        server.load_settings(cfg, {})
+        server.parse_settings(["--config", str(cfg)])
     with pytest.raises(ValueError, match="max_queue"):
-        server.load_settings(None, {"max_queue": -1})
+        server.parse_settings(["--max-queue", "-1"])
+    with pytest.raises(ValueError, match="'port'"):
+        server.parse_settings(["--port", "eighty"])
 
 
 # ---------------------------------------------------------------- the API
@@ -424,9 +418,6 @@ def test_documented_metrics_exist_and_loadtest_runs(server, capsys):
     assert len(documented) >= 12
     assert not [name for name in documented if name not in text]
 
-    spec = importlib.util.spec_from_file_location("medusa_lite_serve_loadtest", ROOT / "serve" / "loadtest.py")
-    loadtest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loadtest)
     loadtest.main(["--url", server.url, "--concurrency", "1,2", "--max-tokens", "4"])
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d", line)]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]

@@ -20,7 +20,7 @@ def test_default_model_serves_greedy_generate_exactly():
     from medusa_lite.targets import DEFAULT_TARGET
 
     # in-process reference first: this also converts the GGUF once (the server then loads the cache)
-    model, tok = medusa_lite.load_default(dtype="fp32")
+    model, tok = medusa_lite.load_model(dtype="fp32")
     text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     threads = torch.get_num_threads()

@@ -12,7 +12,6 @@ from medusa_lite.tree import (attention_bias, build_buffers, chain, expected_len
                               tree_tokens, validate_choices)
 from medusa_lite.verify import accept
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_buffers_small_tree():
@@ -72,8 +71,11 @@ def test_grow_tree_is_greedy_by_path_probability():
 
 
 def test_shipped_trees_load():
-    files = sorted((ROOT / "configs" / "trees").glob("*.json"))
+    from medusa_lite.settings import CONFIGS_DIR
+
+    files = sorted((CONFIGS_DIR / "trees").glob("*.json"))
     assert len(files) >= 4
+    assert load_tree("medusa-16") == load_tree(CONFIGS_DIR / "trees" / "medusa-16.json")  # shipped trees by name
     sizes = {len(load_tree(f)) for f in files}
     assert {4, 16, 32, 64} <= sizes
     for f in files:

@@ -1,7 +1,7 @@
 """Self-distilled training data: the target's own greedy answers to ShareGPT prompts, as chat JSONL.
 
     medusa-lite distill-data --out runs/distill/sharegpt.jsonl --num-prompts 4000 [--shard 0/2]
-    medusa-lite train --config configs/train/smollm2-135m.yaml data=runs/distill/sharegpt.jsonl
+    medusa-lite train --config smollm2-135m data=runs/distill/sharegpt.jsonl
 
 Heads decode the target's text, not the human text of ShareGPT: trained on the target's own answers
 (as Medusa-2 and EAGLE do), they see the hidden states and the token statistics they meet at decoding
@@ -11,32 +11,40 @@ an interrupted run continues where it stopped (rows already written are skipped)
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
+from medusa_lite.settings import SettingsParser, option
 from medusa_lite.train import data as D
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="HF directory or .gguf (default: the bundled default target)")
-    p.add_argument("--prompts", default="sharegpt", help="'sharegpt' or a chat .json/.jsonl file")
-    p.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
-    p.add_argument("--num-prompts", type=int, default=4000)
-    p.add_argument("--skip-prompts", type=int, default=0, help="start after this many prompts (disjoint sets)")
-    p.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--shard", default="0/1", help="i/n: this process takes every n-th prompt from the i-th")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+@dataclass
+class DistillSettings:
+    """``medusa-lite distill-data`` settings: these defaults < ``--config FILE`` < flags."""
+
+    out: str = option(help="output JSONL (appended to; resumable)")
+    target: str | None = option(None, "HF directory or .gguf (default: the bundled default target)")
+    prompts: str = option("sharegpt", "'sharegpt' or a chat .json/.jsonl file")
+    num_prompts: int = option(4000, "prompts answered")
+    skip_prompts: int = option(0, "start after this many prompts (disjoint sets)")
+    max_prompt_tokens: int = option(384, "longer prompts are skipped")
+    max_new_tokens: int = option(256, "answer length")
+    batch_size: int = option(64, "prompts per batched generate")
+    dtype: Literal["bf16", "fp32"] = option("bf16", "target dtype")
+    threads: int | None = option(None, "torch.set_num_threads")
+    shard: str = option("0/1", "i/n: this process takes every n-th prompt from the i-th")
+    seed: int = option(0, "seed of the prompt order")
+
+
+def parse_args(argv: list[str] | None = None) -> DistillSettings:
+    return SettingsParser(DistillSettings, prog="medusa-lite distill-data", description=__doc__,
+                          kind="distill-data").parse(argv)[0]
 
 
 def first_user_turns(path: Path, *, limit: int, skip: int, seed: int) -> list[tuple[int, str]]:

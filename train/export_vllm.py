@@ -17,12 +17,15 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_lite.config import WEIGHTS_NAME, MedusaConfig
+from medusa_lite.settings import SettingsParser, option
 from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype
 
 _BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
@@ -83,14 +86,21 @@ def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: t
     return out_dir
 
 
+@dataclass
+class ExportSettings:
+    """``medusa-lite export-vllm HEADS_DIR OUT_DIR`` options: these defaults < ``--config FILE`` < flags."""
+
+    target: str | None = option(None, "target directory / .gguf (for a shared lm_head); default: the heads' base "
+                                      "model, or the bundled default target")
+    dtype: Literal["bf16", "fp16", "fp32"] = option("bf16", "dtype of the written tensors")
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("heads_dir")
-    p.add_argument("out_dir")
-    p.add_argument("--target", default=None, help="target directory / .gguf (for a shared lm_head); "
-                   "default: the heads' base model, or the bundled default target")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    args = p.parse_args(argv)
+    parser = SettingsParser(ExportSettings, prog="medusa-lite export-vllm", description=__doc__, kind="export-vllm")
+    parser.add_argument("heads_dir", help="medusa_lite heads directory")
+    parser.add_argument("out_dir", help="vLLM checkpoint directory to write")
+    settings, paths = parser.parse(argv)
+    args = argparse.Namespace(**vars(settings), **vars(paths))
     config = MedusaConfig.load(args.heads_dir)
     lm_head_weight = None
     if config.share_lm_head:
