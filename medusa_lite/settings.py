@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,11 +47,7 @@ def resolve_config(kind: str, name_or_path: str | Path) -> Path:
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs) -> Any:
     """A settings field with its ``--help`` text: ``lr: float = option(1e-3, "peak learning rate")``."""
-    if isinstance(default, (list, dict)):
-        kwargs["default_factory"] = lambda d=default: type(d)(d)
-    else:
-        kwargs["default"] = default
-    return dataclasses.field(metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
 
 
 class Ints(tuple):
@@ -103,9 +100,7 @@ class SettingsParser:
     def parse(self, argv: list[str] | None = None) -> tuple[Any, argparse.Namespace]:
         """(settings, namespace of the extra flags) from ``argv`` (default ``sys.argv[1:]``). ``SettingsError``
         on any unknown or bad setting."""
-        import sys
-
-        argv = [_as_flag(a) for a in (sys.argv[1:] if argv is None else argv)]
+        argv = [self._as_flag(a) for a in (sys.argv[1:] if argv is None else argv)]
         config = self._config_path(argv)
         namespace = self.parser.parse_args(self._yaml_flags(config) + argv)
         values = {name: getattr(namespace, name) for name in self.fields}
@@ -115,6 +110,11 @@ class SettingsParser:
             return self.cls(**values), namespace
         except (TypeError, ValueError) as e:
             raise SettingsError(f"{self.parser.prog}: {e}") from e
+
+    def _as_flag(self, arg: str) -> str:
+        """``key=value`` of a known setting (the form training commands have always taken) -> ``--key=value``."""
+        match = _KEY_VALUE.match(arg)
+        return f"--{match.group(1)}={match.group(2)}" if match and match.group(1) in self.fields else arg
 
     def _config_path(self, argv: list[str]) -> Path | None:
         if self.kind is None:
@@ -146,12 +146,6 @@ class SettingsParser:
                 text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             flags.append(f"--{key}={text}")
         return flags
-
-
-def _as_flag(arg: str) -> str:
-    """``key=value`` (the form training commands have always taken) -> ``--key=value``."""
-    match = _KEY_VALUE.match(arg)
-    return f"--{match.group(1)}={match.group(2)}" if match else arg
 
 
 def _optional(field: dataclasses.Field, cls: type) -> bool:

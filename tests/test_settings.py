@@ -1,0 +1,69 @@
+"""medusa_lite.settings: one mechanism (dataclass < YAML < flags) for every command."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pytest
+
+from medusa_lite.settings import Ints, Names, SettingsError, SettingsParser, option
+
+
+@dataclass
+class Example:
+    name: str = option("a", "a name")
+    count: int | None = option(3, "a count")
+    mode: Literal["x", "y"] = option("x", "a mode")
+    fit: bool = option(True, "a switch")
+    sizes: Ints = option(Ints((1, 2)), "sizes")
+    methods: Names = option(Names(("plain",)), "methods")
+
+
+def parse(*argv: str, config=None):
+    return SettingsParser(Example, prog="example", kind="example").parse(
+        (["--config", str(config)] if config else []) + list(argv))[0]
+
+
+def test_defaults_yaml_flags_precedence_and_every_flag_form(tmp_path):
+    assert parse() == Example()
+    path = tmp_path / "c.yaml"
+    path.write_text("name: from-yaml\ncount: null\nsizes: [4, 8]\nmethods: [plain, pld]\nfit: false\n")
+    s = parse(config=path)
+    assert (s.name, s.count, s.sizes, s.methods, s.fit) == ("from-yaml", None, (4, 8), ("plain", "pld"), False)
+    s = parse("--name", "flag", "count=7", "--sizes", "16", "--fit", config=path)  # flags win over the file
+    assert (s.name, s.count, s.sizes, s.fit, s.mode) == ("flag", 7, (16,), True, "x")
+    assert parse("--no-fit").fit is False and parse("--sizes", "").sizes == ()
+    assert parse("--name", "k=v").name == "k=v"  # key=value only for known settings
+
+
+@pytest.mark.parametrize("argv, yaml, key", [
+    (["--count", "2.5"], None, "'count'"), (["--mode", "z"], None, "'mode'"), (["--fit", "maybe"], None, "'fit'"),
+    (["--sizes", "1,x"], None, "'sizes'"), (["--nmae", "b"], None, "--nmae"), (["--name", "none"], None, "'name'"),
+    ([], "count: many\n", "'count'"), ([], "nmae: b\n", "nmae"), ([], "name: {a: 1}\n", "'name'"),
+    ([], "- a\n", "mapping"),
+])
+def test_unknown_or_ill_typed_settings_name_the_key(tmp_path, argv, yaml, key):
+    path = None
+    if yaml is not None:
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml)
+    with pytest.raises(SettingsError, match=key):
+        parse(*argv, config=path)
+
+
+def test_missing_config_names_the_shipped_ones():
+    with pytest.raises(FileNotFoundError, match="smollm2-135m"):
+        SettingsParser(Example, prog="example", kind="train").parse(["--config", "no-such-config"])
+
+
+def test_command_settings():
+    from medusa_lite.serve.bench import parse_args as bench
+    from medusa_lite.serve.calibrate import parse_args as calibrate
+    from medusa_lite.serve.demo import parse_args as demo
+
+    assert bench(["--methods", "pld,medusa"]).methods == ("plain", "pld", "medusa")  # plain is the reference
+    with pytest.raises(SettingsError, match="unknown"):
+        bench(["--methods", "fast"])
+    assert calibrate(["--sizes", "4,8", "--latency-tokens", "2"]).latency_tokens == (1, 2, 9)
+    assert demo(["--no-fit", "--max-new-tokens", "16"]).fit is False
