@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .drafters import DraftState
 from .fit import BUCKETS, bucket_of
 from .generate import GenerationStats, cache_kwarg, verify_forward
 from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree, tree_json
@@ -151,7 +152,7 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
 
     sequences: (ids [L] long, start) pairs, ``ids[start:]`` the target's own continuation of the prompt
     ``ids[:start]``; positions from ``start - 1`` on are scored. One target forward per sequence; the
-    proposals come from ``model.ranked_proposals`` (what decoding drafts, from the same vocabulary,
+    proposals come from ``model.drafter.ranked`` (what decoding drafts, from the same vocabulary,
     on the path where every earlier proposal was right: Hydra heads read the true tokens).
     Returns ``{"accuracies": [K][topk], "hits": ..., "totals": ...}``.
     """
@@ -163,7 +164,7 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
         first = max(start - 1, 0)
         hidden = out.hidden_states[-1][0]  # [L, H]
         choice = out.logits[0, first:].argmax(dim=-1)  # [T]
-        ranked = model.ranked_proposals(hidden[first:], ids[first:], topk)  # [K, T, topk]
+        ranked = model.drafter.ranked(hidden[first:], ids[first:], topk)  # [K, T, topk]
         h, n = topk_hits(ranked, choice)
         hits += h
         totals += n
@@ -216,14 +217,14 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
     a step is the cache length before its root, t + 1; :class:`medusa_lite.fit.Candidate` fields).
     ``features``: the sequences' final hidden states [L, H], if already computed.
     """
-    drafter = model.drafter(tree)
+    plan = model.plan(tree)
     total, steps, seconds, nodes_total = 0, 0, 0.0, 0
     per_bucket = BucketCounts(buckets)
     for i, (ids, start) in enumerate(sequences):
         hidden = features[i] if features is not None else final_hidden(model.base_model, ids)
         for t in range(max(start - 1, 0), ids.numel() - 2, stride):
             t0 = time.perf_counter()
-            tokens, buffers, _ = drafter(hidden[t], ids[: t + 2], ids.numel() - t - 2)
+            (tokens, buffers, _), = plan(DraftState.single(ids[: t + 2], hidden[t]), ids.numel() - t - 2)
             seconds += time.perf_counter() - t0
             truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
             nodes, _ = accept(tokens, truth, buffers.paths)

@@ -12,7 +12,6 @@ from typing import Any
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "heads.safetensors"
 TREE_NAME = "tree.json"
-HEAD_TYPES = ("medusa", "hydra")
 
 # ~16-node tree grown by tree.grow_tree from prior per-head accuracies; replaced by calibration.
 DEFAULT_TREE: list[list[int]] = [
@@ -53,7 +52,8 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = True          # shared frozen target lm_head (small) or per-head copies
-    head_type: str = "medusa"           # "medusa" (reads h_t) or "hydra" (also reads the drafted path)
+    head_type: str = "medusa"           # the registered drafter (medusa_lite.drafters): "medusa" reads h_t,
+                                        # "hydra" also the drafted path
     draft_vocab_size: int | None = None  # heads propose only these many tokens (ids stored with the weights)
     tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None -> DEFAULT_TREE
     dtype_trees: dict[str, list[list[int]] | dict] = field(default_factory=dict)  # calibrated per target dtype
@@ -69,8 +69,8 @@ class MedusaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {value!r}")
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"MedusaConfig.head_type {self.head_type!r} is not supported (supported: {HEAD_TYPES})")
+        from .drafters import drafter_class
+        drafter = drafter_class(self.head_type)  # ValueError naming the registered ones
         if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
                                                   or self.draft_vocab_size < 1 or not self.share_lm_head):
             raise ValueError("MedusaConfig.draft_vocab_size must be a positive integer and needs share_lm_head=True")
@@ -80,8 +80,9 @@ class MedusaConfig:
         if not isinstance(self.dtype_trees, dict):
             raise ValueError("MedusaConfig.dtype_trees must map a dtype name ('float32', 'bfloat16') to a tree")
         self.dtype_trees = {str(k): tree_json(parse_tree(v, self.num_heads)) for k, v in self.dtype_trees.items()}
-        if "dynamic" in str(self.tree) + str(self.dtype_trees) and self.head_type != "hydra":
-            raise ValueError("dynamic trees need Hydra heads (head_type='hydra'): Medusa proposals ignore the path")
+        if "dynamic" in str(self.tree) + str(self.dtype_trees) and not drafter.dynamic_trees:
+            raise ValueError(f"dynamic trees need a drafter that grows its own tree (Hydra heads, head_type='hydra'); "
+                             f"{self.head_type} proposals do not depend on the path")
 
     @property
     def choices(self) -> list[list[int]] | dict:

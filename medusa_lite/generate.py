@@ -12,29 +12,22 @@ import contextlib
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from .cache import keep_accepted, new_cache
 from .config import text_config
+from .drafters import Draft, Drafter, DraftState
 from .sampling import build_warpers, target_probs
-from .tree import (TreeBuffers, attention_bias, buffers_from_parents, build_buffers, lookup_continuation, merge_chain,
-                   truncate)
-from .verify import Proposals, accept, greedy_choice, sample_choice, sample_walk
+from .tree import (DynamicTree, TreeBuffers, attention_bias, buffers_from_parents, build_buffers, lookup_continuation,
+                   merge_chain, truncate)
+from .verify import accept, greedy_choice, sample_choice, sample_walk
 
 
-class Draft(NamedTuple):
-    """One step's tree: node tokens [N] (root first), its buffers, and which tokens were sampled (else None)."""
-
-    tokens: torch.Tensor
-    buffers: TreeBuffers
-    proposals: Proposals | None = None
-
-
-# hidden [H] of the last accepted position, all tokens so far [L] (the root last), deepest allowed depth -> Draft
-Drafter = Callable[[torch.Tensor, torch.Tensor, int], Draft]
+# A step's plan: which tree the drafter fills this step. (drafter state, deepest allowed depth) -> one Draft per row
+Plan = Callable[[DraftState, int], list[Draft]]
 
 
 @dataclass
@@ -119,17 +112,11 @@ class _Stopper:
 
 
 class StaticTree:
-    """A :data:`Drafter` over one fixed tree; buffers per depth cap are built once (near
-    ``max_new_tokens`` or the context end, shallower trees).
+    """A :data:`Plan` over one fixed tree; buffers per depth cap are built once (near ``max_new_tokens`` or
+    the context end, shallower trees). ``sampler``: the drafter draws the tokens instead of ranking them."""
 
-    ``fill(hidden, ids, buffers) -> ([N] tokens, proposals or None)`` puts the heads' drafts into the tree's nodes.
-    """
-
-    def __init__(self, fill: Callable[[torch.Tensor, torch.Tensor, TreeBuffers], tuple[torch.Tensor, Proposals | None]],
-                 choices: list[list[int]], device: torch.device):
-        self.fill = fill
-        self.choices = choices
-        self.device = device
+    def __init__(self, drafter: Drafter, choices: list[list[int]], device: torch.device, sampler=None):
+        self.drafter, self.choices, self.device, self.sampler = drafter, choices, device, sampler
         self.full = build_buffers(choices, device)
         self._by_depth: dict[int, TreeBuffers] = {self.full.depth: self.full}
 
@@ -139,34 +126,47 @@ class StaticTree:
             self._by_depth[depth] = build_buffers(truncate(self.choices, depth), self.device)
         return self._by_depth[depth]
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> Draft:
-        buffers = self.get(max_depth)
-        tokens, proposals = self.fill(hidden, ids, buffers)
-        return Draft(tokens, buffers, proposals)
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+        return self.drafter.propose(state, self.get(max_depth), max_depth, self.sampler)
+
+
+class GrownTree:
+    """A :data:`Plan` whose tree the drafter grows anew each step within the budget of a :class:`DynamicTree`."""
+
+    def __init__(self, drafter: Drafter, tree: DynamicTree):
+        if not drafter.dynamic_trees:
+            raise ValueError(f"dynamic trees need a drafter that grows its own tree (Hydra heads); "
+                             f"{drafter.name} proposals do not depend on the path")
+        self.drafter, self.tree = drafter, tree
+
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+        return self.drafter.propose(state, self.tree, max_depth)
 
 
 class PromptLookup:
-    """A :data:`Drafter` that adds a prompt-lookup branch (:func:`medusa_lite.tree.lookup_continuation`)
-    to another drafter's tree, merged so siblings stay distinct; the tree is then rebuilt for the step."""
+    """A :data:`Plan` that adds a prompt-lookup branch (:func:`medusa_lite.tree.lookup_continuation`) to
+    another plan's tree, per row, merged so siblings stay distinct; the tree is then rebuilt for the step."""
 
-    def __init__(self, drafter: Drafter, tokens: int, ngram: int = 3):
-        self.drafter, self.tokens, self.ngram = drafter, tokens, ngram
+    def __init__(self, plan: Plan, tokens: int, ngram: int = 3):
+        self.plan, self.tokens, self.ngram = plan, tokens, ngram
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> Draft:
-        draft = self.drafter(hidden, ids, max_depth)
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+        return [self._with_branch(draft, ids, max_depth) for draft, ids in zip(self.plan(state, max_depth), state.ids)]
+
+    def _with_branch(self, draft: Draft, ids: torch.Tensor, max_depth: int) -> Draft:
         chain = lookup_continuation(ids, self.ngram, min(self.tokens, max_depth))
         if chain.numel() == 0:
             return draft
         parents, merged = merge_chain(draft.buffers.parents, draft.tokens.tolist(), chain.tolist())
-        if len(parents) == len(draft.buffers.parents):  # the heads had drafted the whole branch already
+        if len(parents) == len(draft.buffers.parents):  # the drafter had drafted the whole branch already
             return draft
         # the added nodes come last: their proposals are one-hot (Proposals.at)
         return Draft(torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device),
                      draft.proposals)
 
 
-class FittedDrafter:
-    """A :data:`Drafter` that drafts each step with the tree its context bucket's :class:`~medusa_lite.fit.SpeedGuard`
+class FittedPlan:
+    """A :data:`Plan` that drafts each step with the tree its context bucket's :class:`~medusa_lite.fit.SpeedGuard`
     names (a ladder fitted to this machine, :func:`medusa_lite.fit.fit_trees`); :meth:`record` (the loop's
     ``on_step``) tells the guard how the step went.
 
@@ -174,24 +174,24 @@ class FittedDrafter:
     acceptance (greedy walk or rejection sampling) is exact whatever tree the guard picks.
     """
 
-    def __init__(self, make: Callable[[object], Drafter], guards: list, buckets: tuple[int, ...]):
+    def __init__(self, make: Callable[[object], Plan], guards: list, buckets: tuple[int, ...]):
         self.make, self.guards, self.buckets = make, guards, buckets
-        self._drafters: dict[str, Drafter] = {}
+        self._plans: dict[str, Plan] = {}
         self._bucket = 0
         self.steps_by_tree: dict[str, int] = {}
         self.realized = [[0, 0.0] for _ in guards]  # tokens, seconds per bucket
 
-    def __call__(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int) -> Draft:
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
         from .fit import bucket_of, tree_key
 
-        self._bucket = bucket_of(ids.numel() - 1, self.buckets)  # the cache length (ids end in the root)
+        self._bucket = bucket_of(state.ids[0].numel() - 1, self.buckets)  # the cache length (ids end in the root)
         guard = self.guards[self._bucket]
         tree = guard.ladder[guard.rung()].tree
         key = tree_key(tree)
-        if key not in self._drafters:
-            self._drafters[key] = self.make(tree)
+        if key not in self._plans:
+            self._plans[key] = self.make(tree)
         self.steps_by_tree[key] = self.steps_by_tree.get(key, 0) + 1
-        return self._drafters[key](hidden, ids, max_depth)
+        return self._plans[key](state, max_depth)
 
     def record(self, tokens: int, seconds: float) -> None:
         self.guards[self._bucket].record(tokens, seconds)
@@ -250,7 +250,8 @@ def context_length(config) -> int | None:
 @torch.no_grad()
 def speculative_generate(
     target,
-    draft: Drafter,
+    drafter: Drafter,
+    plan: Plan,
     prompt: torch.Tensor,
     config: GenerationConfig,
     *,
@@ -261,7 +262,8 @@ def speculative_generate(
     on_step: Callable[[int, float], None] | None = None,
     kernels=None,
 ) -> tuple[torch.Tensor, GenerationStats]:
-    """Generate after ``prompt`` ([L] long, no padding). Returns (new tokens [n] long, stats).
+    """Generate after ``prompt`` ([L] long, no padding) with ``drafter`` filling the tree ``plan`` picks each
+    step. Returns (new tokens [n] long, stats).
 
     ``on_step(tokens, seconds)``: called after every verify step with the tokens it emitted (accepted +
     bonus) and its wall time (drafting, verification, cache commit): how a fitted drafter's guard learns.
@@ -285,9 +287,9 @@ def speculative_generate(
     out = _forward(target, stats, cache_arg, input_ids=prompt[None], **_prefill_kwargs(target))
     stats.prefill_time = stats.target_time
     root = choose(out.logits[0, -1:])[0]
-    hidden = out.hidden_states[-1][0, -1]  # [H]
     cache_len = prompt.numel()
     kept, done = stopper.extend([int(root)])
+    state = drafter.start([torch.tensor(stopper.ids, device=device)], _read(out, drafter))
     _push(streamer, kept)
 
     while not done:
@@ -295,7 +297,7 @@ def speculative_generate(
         max_depth = stopper.remaining - 1
         if limit is not None:
             max_depth = min(max_depth, limit - cache_len - 1)
-        tokens, buffers, proposals = draft(hidden, torch.tensor(stopper.ids, device=device), max_depth)  # [N], root first
+        (tokens, buffers, proposals), = plan(state, max_depth)  # [N], root first (batch size 1)
         out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len, kernels)
         if config.do_sample:
             logits = out.logits[0]  # [N, V]; only the walked nodes' rows are processed
@@ -308,9 +310,10 @@ def speculative_generate(
             nodes, root = accept(tokens, greedy_choice(out.logits[0]), buffers.paths)  # [a+1], []
         keep_accepted(cache, cache_len, nodes)
         cache_len += nodes.numel()
-        hidden = out.hidden_states[-1][0, nodes[-1]]  # [H]
         _record(stats, nodes.numel() - 1, buffers)
         kept, done = stopper.extend(tokens[nodes[1:]].tolist() + [int(root)])
+        if not done:
+            drafter.commit(state, [nodes], _read(out, drafter), [torch.tensor(stopper.ids, device=device)])
         if on_step is not None:
             on_step(nodes.numel(), time.perf_counter() - step_start)
         _push(streamer, kept)
@@ -319,6 +322,11 @@ def speculative_generate(
     stats.new_tokens = new.numel()
     stats.wall_time = time.perf_counter() - start
     return new, stats
+
+
+def _read(out, drafter: Drafter) -> tuple[torch.Tensor, ...]:
+    """The target hidden states the drafter reads: per layer in ``drafter.hidden_layers``, [B, T, H]."""
+    return tuple(out.hidden_states[i] for i in drafter.hidden_layers)
 
 
 def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -18,13 +17,11 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
 from .fit import AcceptanceTable, HardwareFit, SpeedGuard, fit_trees
-from .generate import (Draft, FittedDrafter, GenerationStats, PromptLookup, StaticTree, context_length,
+from .drafters import build_drafter
+from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, StaticTree, context_length,
                        speculative_generate)
-from .heads import build_heads
 from .sampling import DraftSampler, build_warpers, check_supported
-from .tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers, load_tree,
-                   parse_tree, tree_json, tree_tokens)
-from .verify import Proposals
+from .tree import DynamicTree, TreeSpec, WithLookup, load_tree, parse_tree, tree_json
 
 _PROBE_ROWS = 8
 _PROBE_COLS = 8
@@ -68,7 +65,8 @@ def check_fingerprint(saved: dict[str, Any] | None, target, source: str) -> None
 
 
 class MedusaModel(nn.Module):
-    """Frozen target (``base_model``) + :class:`MedusaHeads` (``heads``).
+    """Frozen target (``base_model``) + a registered drafter (``drafter``, :mod:`medusa_lite.drafters`): loads,
+    saves, fits the tree to the machine and generates; the drafter drafts, trains and exports.
 
     >>> model = MedusaModel(target, MedusaConfig(num_heads=4))     # fresh, zero-initialised heads
     >>> model = MedusaModel.from_pretrained(target, "heads_dir")   # trained heads
@@ -93,10 +91,9 @@ class MedusaModel(nn.Module):
         config.target_fingerprint = config.target_fingerprint or target_fingerprint(base_model)
         self.base_model = base_model
         self.config = config
-        self.heads = build_heads(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-        self.heads.init_lm_heads(lm_head)
+        self.drafter = build_drafter(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        self.drafter.attach(base_model)
         self.last_stats: GenerationStats | None = None
-        self._projection: tuple | None = None
         # hardware fit (medusa_lite.fit): the heads' acceptance table, fits and guards per (sampling, dtype, device)
         self.acceptance: AcceptanceTable | None = None
         self.fit_enabled = os.environ.get("MEDUSA_LITE_FIT", "1").lower() not in ("0", "off", "false", "no")
@@ -114,7 +111,7 @@ class MedusaModel(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.heads.state_dict().items()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.drafter.state_dict().items()}
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
         (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices,
                                                        "by_dtype": self.config.dtype_trees}) + "\n")
@@ -134,7 +131,7 @@ class MedusaModel(nn.Module):
         if not weights.is_file():
             raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
         state = load_file(str(weights), device=str(model.heads_device))
-        missing, unexpected = model.heads.load_state_dict(state, strict=False)
+        missing, unexpected = model.drafter.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
         model.acceptance = AcceptanceTable.load(heads_dir)
@@ -158,114 +155,12 @@ class MedusaModel(nn.Module):
     def generation_config(self) -> GenerationConfig:
         return self.base_model.generation_config
 
-    # ------------------------------------------------------------------ forward / drafting
+    # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, **kwargs):
-        """Target forward plus head logits: returns (target output, head logits [K, B, T, V])."""
+        """Target forward plus teacher-forced draft logits: (target output, drafter logits [K, B, T, V'])."""
         out = self.base_model(input_ids=input_ids, output_hidden_states=True, return_dict=True, **kwargs)
-        return out, self.heads(out.hidden_states[-1], self.base_model.get_output_embeddings(), input_ids,
-                               self.base_model.get_input_embeddings())
-
-    def draft_projection(self) -> torch.Tensor:
-        """Weight [V', H] of the vocabulary the heads propose from (token ids: ``heads.draft_ids``).
-
-        With ``draft_vocab_size`` the rows of the shared ``lm_head`` for ``heads.draft_ids`` are sliced
-        once (and again only when the target's weights move or change dtype): drafting then reads
-        V' rows per step instead of the whole vocabulary.
-        """
-        weight = self.base_model.get_output_embeddings().weight
-        ids = getattr(self.heads, "draft_ids", None)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device,
-               None if ids is None else (ids.data_ptr(), ids._version))
-        if self._projection is None or self._projection[0] != key:
-            self._projection = (key, weight if ids is None else weight[ids].contiguous())
-        return self._projection[1]
-
-    def draft_logits(self, feats: torch.Tensor, k: int | None = None) -> torch.Tensor:
-        """Head features -> logits over the draft vocabulary: [..., H] of head ``k``, or [K, ..., H] of
-        every head (``k=None``) -> [..., V'] / [K, ..., V'] (V' = V without a draft vocabulary)."""
-        if self.heads.lm_heads is None:
-            return torch.nn.functional.linear(feats, self.draft_projection().to(feats.dtype))
-        if k is not None:
-            return self.heads.lm_heads[k](feats)
-        return torch.stack([lm_head(f) for lm_head, f in zip(self.heads.lm_heads, feats)])
-
-    def _rank(self, feats: torch.Tensor, topk: int, k: int | None = None) -> torch.Tensor:
-        """Head features (as :meth:`draft_logits`) -> [..., topk] ranked token ids."""
-        ranked = self.draft_logits(feats, k).topk(topk, dim=-1).indices
-        return self._token_ids(ranked)
-
-    def _token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Indices into the draft vocabulary -> token ids."""
-        ids = getattr(self.heads, "draft_ids", None)
-        return index if ids is None else ids[index]
-
-    @torch.no_grad()
-    def draft(self, hidden: torch.Tensor, ids: torch.Tensor | None = None, topk: int | None = None) -> torch.Tensor:
-        """Medusa heads: hidden [H] of the last accepted position -> [K, topk] ranked draft tokens."""
-        topk = topk or self._topk
-        return self._rank(self._medusa_features(hidden), topk)
-
-    def _medusa_features(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.heads.hidden(hidden[None, None])[:, 0, 0]  # [H] -> [K, H]
-
-    @torch.no_grad()
-    def draft_tree(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers) -> torch.Tensor:
-        """Token of every tree node [N]: hidden [H] of the last accepted position, ids [L] ending in the root.
-
-        Medusa heads rank once per head; Hydra heads run level by level, each expanded node's row
-        reading its own path, so a node's children are proposed after that node's token.
-        """
-        return self.sample_tree(hidden, ids, buffers, None)[0]
-
-    @torch.no_grad()
-    def sample_tree(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers,
-                    sampler: DraftSampler | None) -> tuple[torch.Tensor, Proposals | None]:
-        """As :meth:`draft_tree`; with a ``sampler`` each row's children are drawn from the head's processed
-        distribution (their :class:`Proposals` returned for verification) instead of its top ranks."""
-        n = buffers.num_nodes
-        if n == 1:  # the root alone: nothing to draft
-            return ids[-1:].clone(), None
-        if sampler is not None:  # where each node's token was drawn from (-1: deterministic)
-            row = torch.full((n,), -1, dtype=torch.long, device=ids.device)
-            rank = torch.zeros(n, dtype=torch.long, device=ids.device)
-            vocab = getattr(self.heads, "draft_ids", None)
-        if self.config.head_type == "medusa":
-            if sampler is None:
-                return tree_tokens(ids[-1], self.draft(hidden, ids, buffers.topk), buffers), None
-            q, drawn = sampler(self.draft_logits(self._medusa_features(hidden)), buffers.topk)  # [K, V'], [K, k]
-            row[1:], rank[1:] = buffers.draft_index // buffers.topk, buffers.draft_index % buffers.topk
-            return tree_tokens(ids[-1], self._token_ids(drawn), buffers), Proposals(q, drawn, row, rank, vocab)
-        tokens = ids[-1].repeat(n)  # [N], root at 0
-        embed = self.base_model.get_input_embeddings()
-        state = hidden[None]  # [1, H]: the root's parent state is h_t
-        qs, draws, offset = [], [], 0
-        for d, level in enumerate(buffers.levels):
-            state = self.heads.step(d, state[level.parent_row], embed(tokens[level.expand]))  # [M, H]
-            if sampler is None:
-                ranked = self._rank(state, level.topk, d)  # [M, topk]
-            else:
-                q, drawn = sampler(self.draft_logits(state, d), level.topk)  # [M, V'], [M, topk]
-                ranked = self._token_ids(drawn)
-                row[level.children], rank[level.children] = offset + level.child_row, level.child_rank
-                qs.append(q)
-                draws.append(drawn)
-                offset += q.shape[0]
-            tokens[level.children] = ranked[level.child_row, level.child_rank]
-        if sampler is None or not qs:
-            return tokens, None
-        width = max(t.shape[1] for t in draws)
-        drawn = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in draws])
-        return tokens, Proposals(torch.cat(qs), drawn, row, rank, vocab)
-
-    @torch.no_grad()
-    def ranked_proposals(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
-        """Teacher-forced proposals along a known sequence: hidden [T, H], ids [T] -> [K, T, topk].
-
-        Head k at t ranks the token at t + 2 + k given the true tokens up to t + 1 + k: exactly what
-        decoding drafts on the path where every earlier proposal was right (calibration's accuracies).
-        """
-        feats = self.heads.hidden(hidden[None], ids[None], self.base_model.get_input_embeddings())[:, 0]  # [K, T, H]
-        return self._rank(feats, topk)
+        hidden = [out.hidden_states[i] for i in self.drafter.hidden_layers]
+        return out, self.drafter(*hidden, input_ids)
 
     @property
     def choices(self) -> TreeSpec:
@@ -282,61 +177,17 @@ class MedusaModel(nn.Module):
         tree = tree.tree if isinstance(tree, WithLookup) else tree
         return tree.topk if isinstance(tree, DynamicTree) else max((max(p) for p in tree), default=0) + 1
 
-    def drafter(self, tree: TreeSpec, sampler: DraftSampler | None = None):
-        """The per-step drafting function of ``tree`` for :func:`medusa_lite.generate.speculative_generate`.
+    def plan(self, tree: TreeSpec, sampler: DraftSampler | None = None):
+        """The per-step plan of ``tree`` for :func:`medusa_lite.generate.speculative_generate`: a static tree the
+        drafter fills, a tree it grows each step (:class:`DynamicTree`), either plus a prompt-lookup branch.
 
-        ``sampler`` (sampling mode): static trees draw their tokens from the heads' distributions;
+        ``sampler`` (sampling mode): static trees draw their tokens from the drafter's distributions;
         dynamic trees and prompt-lookup tokens stay deterministic (one-hot proposals)."""
         if isinstance(tree, WithLookup):
-            return PromptLookup(self.drafter(tree.tree, sampler), tree.tokens, tree.ngram)
+            return PromptLookup(self.plan(tree.tree, sampler), tree.tokens, tree.ngram)
         if isinstance(tree, DynamicTree):
-            if self.config.head_type != "hydra":
-                raise ValueError("dynamic trees need Hydra heads: Medusa proposals do not depend on the path")
-            return functools.partial(self.draft_dynamic, tree=tree)
-        return StaticTree(functools.partial(self.sample_tree, sampler=sampler), tree, self.heads_device)
-
-    @torch.no_grad()
-    def draft_dynamic(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int,
-                      tree: DynamicTree) -> Draft:
-        """Hydra heads grow a tree for this step (EAGLE-2): (node tokens [N], root first; its buffers).
-
-        Level d expands the ``tree.expand`` best nodes of depth d (root: d = 0) into their ``tree.topk``
-        most likely children, scored by the summed log-probability of their path; the ``tree.nodes``
-        best scored nodes are kept. A child's score is below its parent's (ties broken by depth), so the
-        kept set contains every kept node's ancestors.
-        """
-        depth = min(tree.depth, max_depth)
-        root = ids[-1:]
-        if depth < 1:
-            return Draft(root, build_buffers([], root.device))
-        embed = self.base_model.get_input_embeddings()
-        vocab_ids = getattr(self.heads, "draft_ids", None)
-        state, tokens = hidden[None], root                   # expanded rows: [M, H], [M]
-        scores = torch.zeros(1, device=hidden.device)        # [M] path log-probability of each row
-        rows = torch.zeros(1, dtype=torch.long, device=hidden.device)  # [M] node index (0 = root)
-        all_tokens, all_scores, all_parents = [], [], []
-        count = 1                                            # nodes so far, root included
-        for d in range(depth):
-            state = self.heads.step(d, state, embed(tokens))  # [M, H]
-            logits = self.draft_logits(state, d)  # [M, V']
-            logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
-            child_tokens = (idx if vocab_ids is None else vocab_ids[idx]).flatten()     # [M * k]
-            child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent
-            all_tokens.append(child_tokens)
-            all_scores.append(child_scores)
-            all_parents.append(rows.repeat_interleave(tree.topk))
-            if d + 1 < depth:
-                pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
-                state, tokens, scores = state[pick // tree.topk], child_tokens[pick], child_scores[pick]
-                rows = count + pick
-            count += child_tokens.numel()
-        cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
-        cand_parents = torch.cat(all_parents).tolist()
-        keep = sorted(cand_scores.topk(min(tree.nodes, cand_scores.numel())).indices.tolist())  # parents first
-        node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}  # candidate c is node index c + 1 overall
-        parents = [-1] + [node_of[cand_parents[c]] for c in keep]
-        out = torch.cat([root, cand_tokens[torch.tensor(keep, device=root.device)]])
-        return Draft(out, buffers_from_parents(parents, root.device))
+            return GrownTree(self.drafter, tree)
+        return StaticTree(self.drafter, tree, self.heads_device, sampler)
 
     # ------------------------------------------------------------------ hardware fit
     def fit_hardware(self, sample: bool = False, *, force: bool = False, progress: bool = True,
@@ -380,7 +231,7 @@ class MedusaModel(nn.Module):
     def _can_draft(self, tree) -> bool:
         """Whether these heads can draft ``tree`` (JSON form): deep enough, Hydra heads for a dynamic tree."""
         try:
-            self.drafter(parse_tree(tree, self.config.num_heads))
+            self.plan(parse_tree(tree, self.config.num_heads))
         except ValueError:
             return False
         return True
@@ -394,8 +245,8 @@ class MedusaModel(nn.Module):
         self._guards[key] = [guard(ladder) for ladder in fit.ladders]
         self._kernels[key] = kernels
 
-    def _fitted_drafter(self, sample: bool, sampler: DraftSampler | None, fit: bool | None) -> FittedDrafter | None:
-        """The drafter over the fitted ladders (guards kept across calls), or None when fitting is off (``fit=False``,
+    def _fitted_plan(self, sample: bool, sampler: DraftSampler | None, fit: bool | None) -> FittedPlan | None:
+        """The plan over the fitted ladders (guards kept across calls), or None when fitting is off (``fit=False``,
         or ``fit=None`` with ``fit_enabled`` off) or impossible."""
         if fit is False or (fit is None and not self.fit_enabled):
             return None
@@ -403,8 +254,8 @@ class MedusaModel(nn.Module):
         if fitted is None:
             return None
         guards = self._guards[self._fit_key(sample)]
-        return FittedDrafter(lambda tree: self.drafter(parse_tree(tree, self.config.num_heads), sampler), guards,
-                             fitted.buckets)
+        return FittedPlan(lambda tree: self.plan(parse_tree(tree, self.config.num_heads), sampler), guards,
+                          fitted.buckets)
 
     # ------------------------------------------------------------------ generate
     @torch.no_grad()
@@ -457,25 +308,25 @@ class MedusaModel(nn.Module):
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
-        drafter = None
+        plan = None
         if tree is None:
-            drafter = self._fitted_drafter(config.do_sample, sampler, fit)
-        if drafter is None:
+            plan = self._fitted_plan(config.do_sample, sampler, fit)
+        if plan is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
-            drafter = self.drafter(tree, sampler)
-        on_step = drafter.record if isinstance(drafter, FittedDrafter) else None
+            plan = self.plan(tree, sampler)
+        on_step = plan.record if isinstance(plan, FittedPlan) else None
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
             new, stats = speculative_generate(
-                self.base_model, drafter, prompt, config, max_new_tokens=max_new, streamer=streamer,
+                self.base_model, self.drafter, plan, prompt, config, max_new_tokens=max_new, streamer=streamer,
                 stopping_criteria=criteria, generator=generator, on_step=on_step,
                 kernels=self._kernels.get(self._fit_key(config.do_sample)) if on_step else None)
         finally:
             if streamer is not None:
                 streamer.end()
         if on_step is not None:
-            stats.fitted = drafter.report()
+            stats.fitted = plan.report()
         self.last_stats = stats
         return torch.cat([input_ids[0], new.to(input_ids.device)])[None]
 

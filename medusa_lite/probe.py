@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .drafters import DraftState
 from .fit import tree_key
 
 FIT_FORMAT = "medusa_lite.fit/2"
@@ -115,7 +116,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     prompt = torch.randint(0, vocab, (16,), generator=gen).to(device)
 
     # the loop's own per-step bookkeeping: a few steps of plain decoding inside the loop
-    _, stats = speculative_generate(model.base_model, model.drafter([]), prompt, _greedy_config(), max_new_tokens=9)
+    _, stats = speculative_generate(model.base_model, model.drafter, model.plan([]), prompt, _greedy_config(),
+                                    max_new_tokens=9)
     overhead = max((stats.wall_time - stats.target_time) / max(stats.verify_steps, 1), 0.0)
     bar.update(1)
 
@@ -166,11 +168,11 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     hidden = out.hidden_states[-1][0, -1]  # [H] a real hidden state to draft from
     draft: dict[str, float] = {}
     for tree in candidates:
-        drafter = model.drafter(parse_tree(tree, model.config.num_heads), sampler)
+        plan = model.plan(parse_tree(tree, model.config.num_heads), sampler)
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            drafter(hidden, prompt, 8)
+            plan(DraftState.single(prompt, hidden), 8)
             _sync(device)
             times.append(time.perf_counter() - t0)
         draft[tree_key(tree)] = min(times)

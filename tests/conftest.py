@@ -38,7 +38,7 @@ def random_heads(model, std: float = 0.3, seed: int = 0):
     """Give ``model``'s heads random weights (arbitrary proposals: acceptance is partial); returns the model."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for p in model.heads.parameters():
+        for p in model.drafter.parameters():
             p.normal_(0, std)
     return model
 

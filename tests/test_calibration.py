@@ -154,7 +154,7 @@ def test_measure_head_accuracy_matches_batched_heads(tmp_path):
     with torch.no_grad():
         out = target(input_ids=ids[None], output_hidden_states=True)
         hidden = out.hidden_states[-1][:, prompt.numel() - 1:]
-        ranked = model.heads(hidden, target.get_output_embeddings())[:, 0].topk(3, dim=-1).indices
+        ranked = model.drafter(hidden, ids[None, prompt.numel() - 1:])[:, 0].topk(3, dim=-1).indices
         hits, totals = topk_hits(ranked, out.logits[0, prompt.numel() - 1:].argmax(-1))
     assert got["accuracies"] == accuracies_from_counts(hits, totals)
     assert got["totals"] == [12, 11, 10]  # T = 13 scored positions; head k needs k + 1 more
@@ -170,13 +170,13 @@ def test_hydra_ranked_proposals_match_what_decoding_drafts_on_the_true_path(tmp_
     ids = target.generate(torch.tensor([[1, 3, 10, 12, 4]]), max_new_tokens=10, do_sample=False)[0]
     with torch.no_grad():
         hidden = target(input_ids=ids[None], output_hidden_states=True).hidden_states[-1][0]
-    ranked = model.ranked_proposals(hidden, ids, topk=3)  # [2, T, 3]
+    ranked = model.drafter.ranked(hidden, ids, topk=3)  # [2, T, 3]
     wide = build_buffers([[0], [1], [2]])
     for t in range(4, ids.numel() - 2):
-        drafted = model.draft_tree(hidden[t], ids[: t + 2], wide)  # root = the true token at t + 1
+        drafted = model.drafter.draft_row((hidden[t],), ids[: t + 2], wide, 64).tokens  # root = the true token at t + 1
         assert drafted[1:].tolist() == ranked[0, t].tolist()
         path = build_buffers([[0], [0, 0]])  # depth 2 after the rank-0 token
-        second = model.draft_tree(hidden[t], ids[: t + 2], path)
+        second = model.drafter.draft_row((hidden[t],), ids[: t + 2], path, 64).tokens
         if second[1] == ids[t + 2]:  # head 0 was right: head 1 read the true token
             assert second[2] == ranked[1, t, 0]
 

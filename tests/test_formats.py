@@ -29,7 +29,7 @@ def test_round_trip(tmp_path, share):
     assert not any("base_model" in k or "embed" in k for k in saved)
     assert any("lm_heads" in k for k in saved) == (not share)
     loaded = MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
-    for (k, a), (k2, b) in zip(model.heads.state_dict().items(), loaded.heads.state_dict().items()):
+    for (k, a), (k2, b) in zip(model.drafter.state_dict().items(), loaded.drafter.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
     assert loaded.config.choices == tree
     assert loaded.config.num_layers == 2 and loaded.config.share_lm_head == share
@@ -40,18 +40,18 @@ def test_round_trip(tmp_path, share):
 def test_round_trip_hydra_with_draft_vocab(tmp_path):
     target = tiny_model("llama")
     model = _trained(MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra", draft_vocab_size=50)))
-    model.heads.draft_ids.copy_(torch.arange(50) * 2)
+    model.drafter.draft_ids.copy_(torch.arange(50) * 2)
     model.save_pretrained(tmp_path)
     saved = load_file(str(tmp_path / WEIGHTS_NAME))
     assert torch.equal(saved["draft_ids"], torch.arange(50) * 2) and "fuse.2.weight" in saved
     loaded = MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
-    assert loaded.config.head_type == "hydra" and torch.equal(loaded.heads.draft_ids, model.heads.draft_ids)
+    assert loaded.config.head_type == "hydra" and torch.equal(loaded.drafter.draft_ids, model.drafter.draft_ids)
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(model.generate(ids, max_new_tokens=8), loaded.generate(ids, max_new_tokens=8))
     # proposals come from the draft vocabulary only
     from medusa_lite.tree import build_buffers
 
-    tokens = loaded.draft_tree(torch.randn(64), torch.tensor([3]), build_buffers(loaded.config.choices))
+    tokens = loaded.drafter.draft_row((torch.randn(64),), torch.tensor([3]), build_buffers(loaded.config.choices), 64).tokens
     assert all(t % 2 == 0 for t in tokens[1:].tolist())
     with pytest.raises(ValueError, match="head_type"):
         MedusaConfig(head_type="eagle")
@@ -61,7 +61,7 @@ def test_round_trip_hydra_with_draft_vocab(tmp_path):
 
 def test_repeated_blocks_are_distinct_modules():
     model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=3, num_layers=2))
-    blocks = [b for head in model.heads.blocks for b in head]
+    blocks = [b for head in model.drafter.blocks for b in head]
     assert len({id(b) for b in blocks}) == 6
 
 
@@ -91,7 +91,7 @@ def test_mismatched_target_weights(tmp_path):
 def test_same_target_other_dtype_loads(tmp_path):
     MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=2)).save_pretrained(tmp_path)
     model = MedusaModel.from_pretrained(tiny_model("llama", dtype=torch.bfloat16), tmp_path)
-    assert next(model.heads.parameters()).dtype == torch.bfloat16
+    assert next(model.drafter.parameters()).dtype == torch.bfloat16
 
 
 def test_malformed_configs(tmp_path):

@@ -33,7 +33,7 @@ def test_greedy_equals_plain(arch, tree, heads, prompt):
     if heads == "random":
         _random_heads(model)
     else:
-        model.draft = oracle_draft(ref[0], 4, model._topk, 128)
+        model.drafter.draft = oracle_draft(ref[0], 4, model._topk, 128)
     out = model.generate(prompt, max_new_tokens=40, do_sample=False)
     assert torch.equal(out, ref)
     stats = model.last_stats
@@ -57,7 +57,7 @@ def test_greedy_equals_plain_hydra(arch, tree, prompt):
     ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
     model = _random_heads(MedusaModel(target, MedusaConfig(num_heads=4, head_type="hydra", draft_vocab_size=96,
                                                            tree=HYDRA_TREES[tree])))
-    model.heads.draft_ids.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:96])
+    model.drafter.draft_ids.copy_(torch.randperm(128, generator=torch.Generator().manual_seed(1))[:96])
     assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False), ref)
     assert model.last_stats.new_tokens == 40
 
@@ -87,7 +87,7 @@ def test_eos_inside_accepted_chunk(heads, prompt):
     ref = target.generate(prompt, max_new_tokens=30, do_sample=False)
     model = MedusaModel(target, MedusaConfig(num_heads=4, tree=chain(4)))
     if heads == "oracle":
-        model.draft = oracle_draft(torch.cat([ref[0], free[10:]]), 4, 1, 128)
+        model.drafter.draft = oracle_draft(torch.cat([ref[0], free[10:]]), 4, 1, 128)
     else:
         _random_heads(model)
     out = model.generate(prompt, max_new_tokens=30, do_sample=False)
@@ -102,7 +102,7 @@ def test_max_new_tokens_inside_chunk(max_new, prompt):
     target = tiny_model("llama")
     ref = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
     model = MedusaModel(target, MedusaConfig(num_heads=4, tree=chain(4)))
-    model.draft = oracle_draft(target.generate(prompt, max_new_tokens=40, do_sample=False)[0], 4, 1, 128)
+    model.drafter.draft = oracle_draft(target.generate(prompt, max_new_tokens=40, do_sample=False)[0], 4, 1, 128)
     out = model.generate(prompt, max_new_tokens=max_new, do_sample=False)
     assert torch.equal(out, ref)
 

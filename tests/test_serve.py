@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
     torch.manual_seed(0)
     model = MedusaModel(target, MedusaConfig(num_heads=3))
     with torch.no_grad():  # non-zero heads, so drafts differ from the base prediction
-        for p in model.heads.parameters():
+        for p in model.drafter.parameters():
             p.add_(0.05 * torch.randn_like(p))
     model.save_pretrained(root / "heads")
     return target_dir, root / "heads", model, tok

@@ -18,7 +18,7 @@ from train_helpers import role_tokenizer, write_chat_jsonl, write_config, write_
 
 from medusa_lite.settings import CONFIGS_DIR, resolve_config
 from medusa_lite.train import data as D
-from medusa_lite.train.loss import medusa_loss
+from medusa_lite.drafters.heads import heads_loss
 from medusa_lite.train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -144,7 +144,7 @@ def test_only_assistant_tokens_carry_loss_weight():
     v = 7
     heads = torch.randn(k_heads, 1, n, v, requires_grad=True)
     teacher = torch.randn(1, n, v)
-    loss, _ = medusa_loss(heads, teacher, w, loss="kl")
+    loss, _ = heads_loss(heads, teacher, w, loss="kl")
     loss.backward()
     untrained_user = [t for t in range(n - k_heads - 1) if enc["loss_mask"][t + 2] == 0]
     assert untrained_user and heads.grad[0, 0, untrained_user].abs().max() == 0
@@ -156,11 +156,11 @@ def test_kl_loss_is_zero_when_heads_reproduce_the_teacher():
     teacher = torch.randn(b, t, v)
     heads = torch.stack([torch.roll(teacher, shifts=-(1 + k), dims=1) for k in range(k_heads)])  # head k at t = teacher at t+1+k
     weights = torch.ones(k_heads, b, t)
-    loss, stats = medusa_loss(heads, teacher, weights, loss="kl", decay=0.8)
+    loss, stats = heads_loss(heads, teacher, weights, loss="kl", decay=0.8)
     assert loss.abs() < 1e-5
     assert torch.equal(stats["top1"], stats["count"])
     ids = torch.randint(0, v, (b, t))
-    ce, _ = medusa_loss(heads, teacher, weights, ids, loss="ce")
+    ce, _ = heads_loss(heads, teacher, weights, ids, loss="ce")
     assert ce > 0
 
 
@@ -192,17 +192,17 @@ def test_one_step_changes_heads_and_leaves_every_target_tensor_bit_identical(mat
     records, _ = D.read_records(material["data"])
     data = D.build_token_data(tok, records, max_len=128)
     before_target = {k: v.clone() for k, v in model.base_model.state_dict().items()}
-    before_heads = {k: v.clone() for k, v in model.heads.state_dict().items()}
-    engine = Engine(cfg, model.heads, rt)
+    before_heads = {k: v.clone() for k, v in model.drafter.state_dict().items()}
+    engine = Engine(cfg, model.drafter, rt)
     assert all(not p.requires_grad for p in model.base_model.parameters()) and not model.base_model.training
     optimised = {id(p) for group in engine.optimizer.bit16_groups for p in group}  # ZeRO-2's view of the params
-    assert optimised == {id(p) for p in model.heads.parameters()}
+    assert optimised == {id(p) for p in model.drafter.parameters()}
     starts = D.make_windows(data, seq_len=32, num_heads=cfg.num_heads)[:4]
     lm_head = model.base_model.get_output_embeddings()
     train_step(cfg, model, lm_head, engine, data, None, [starts], rt)  # target forward path (no cache)
     after_target = model.base_model.state_dict()
     assert all(torch.equal(before_target[k], after_target[k]) for k in before_target)
-    assert any(not torch.equal(before_heads[k], v) for k, v in model.heads.state_dict().items())
+    assert any(not torch.equal(before_heads[k], v) for k, v in model.drafter.state_dict().items())
 
 
 def test_resume_after_a_stop_ends_at_the_planned_step_with_the_same_data_order(material, tmp_path):
@@ -316,7 +316,7 @@ def test_export_vllm_key_names_and_config(material, tmp_path):
         assert torch.equal(tensors["lm_heads.2.weight"], target.get_output_embeddings().weight)
     # a reduced draft vocabulary becomes vLLM's truncated_vocab_size + token_map
     model = MedusaModel(target, MedusaConfig(num_heads=2, draft_vocab_size=16))
-    model.heads.draft_ids.copy_(torch.arange(16) * 3)
+    model.drafter.draft_ids.copy_(torch.arange(16) * 3)
     model.save_pretrained(tmp_path / "small")
     export_main([str(tmp_path / "small"), str(tmp_path / "vllm-small"), "--target", str(material["target"]),
                  "--dtype", "fp32"])

@@ -8,15 +8,14 @@ silently ignores unknown tensor names (the heads would then accept ~0%), so the 
 Heads trained with a shared lm_head get the target's lm_head weight written once per head, so the
 target is loaded (``--target``; default: the heads' recorded base model, or the bundled default).
 Heads with a reduced draft vocabulary get those rows only, ``truncated_vocab_size`` and vLLM's
-``token_map``. Hydra heads have no vLLM counterpart and are refused.
+``token_map``. Each drafter writes its own layout (``Drafter.export_vllm``); Hydra heads have no vLLM
+counterpart and are refused, naming why.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,53 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_lite.config import WEIGHTS_NAME, MedusaConfig
+from medusa_lite.drafters import drafter_class
 from medusa_lite.settings import SettingsParser, option
 from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype
-
-_BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
-_LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
-
-
-def vllm_config(config: MedusaConfig) -> dict:
-    """vLLM's Medusa ``config.json`` for these heads."""
-    return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
-            "vocab_size": config.vocab_size, "num_heads": config.num_heads,
-            "num_hidden_layers": config.num_layers, "medusa_fc_bias": True,
-            "truncated_vocab_size": config.draft_vocab_size}
-
-
-def vllm_tensors(config: MedusaConfig, state: dict[str, torch.Tensor], lm_head_weight: torch.Tensor | None,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """medusa_lite heads state dict -> vLLM Medusa tensor names (every head gets an lm_head)."""
-    if config.head_type != "medusa":
-        raise ValueError(f"vLLM's Medusa proposer cannot run {config.head_type!r} heads (they read the drafted "
-                         "path); export Medusa heads, or serve these with medusa-lite serve")
-    out: dict[str, torch.Tensor] = {}
-    token_map = state.get("draft_ids")
-    for name, tensor in state.items():
-        if name == "draft_ids":
-            out["token_map"] = tensor
-        elif m := _BLOCK.match(name):
-            out[f"blocks.{m[1]}.layers.{m[2]}.{m[3]}"] = tensor
-        elif m := _LM_HEAD.match(name):
-            out[f"lm_heads.{m[1]}.weight"] = tensor
-        else:
-            raise ValueError(f"unexpected tensor {name!r} in heads state dict")
-    if config.share_lm_head:
-        if lm_head_weight is None:
-            raise ValueError("heads share the target's lm_head: give the target's lm_head weight")
-        rows = lm_head_weight if token_map is None else lm_head_weight[token_map]
-        for h in range(config.num_heads):
-            out[f"lm_heads.{h}.weight"] = rows
-    expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(config.num_heads) for l in range(config.num_layers)
-                for p in ("weight", "bias")} | {f"lm_heads.{h}.weight" for h in range(config.num_heads)}
-    expected |= {"token_map"} if token_map is not None else set()
-    if set(out) != expected:
-        raise ValueError(f"exported names do not match vLLM's layout: missing {sorted(expected - set(out))}, "
-                         f"extra {sorted(set(out) - expected)}")
-    return {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().clone()
-            for k, v in sorted(out.items())}
-
 
 def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: torch.Tensor | None = None,
                 dtype: str | torch.dtype = "bf16") -> Path:
@@ -79,9 +34,10 @@ def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: t
     heads_dir, out_dir = Path(heads_dir), Path(out_dir)
     config = MedusaConfig.load(heads_dir)
     state = load_file(str(heads_dir / WEIGHTS_NAME))
-    tensors = vllm_tensors(config, state, lm_head_weight, parse_dtype(dtype))
+    vllm_config, tensors = drafter_class(config.head_type).export_vllm(config, state, lm_head_weight,
+                                                                       parse_dtype(dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "config.json").write_text(json.dumps(vllm_config(config), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -102,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     settings, paths = parser.parse(argv)
     args = argparse.Namespace(**vars(settings), **vars(paths))
     config = MedusaConfig.load(args.heads_dir)
+    refusal = drafter_class(config.head_type).vllm_refusal
+    if refusal:
+        raise ValueError(f"vLLM cannot run {config.head_type!r} drafters: {refusal}")
     lm_head_weight = None
     if config.share_lm_head:
         target_path = args.target

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from medusa_lite.train import data as D
 from medusa_lite.settings import SettingsParser, option, resolve_config
-from medusa_lite.train.loss import agreement, medusa_loss, num_positions
+from medusa_lite.drafters.heads import num_positions
+from medusa_lite.train.loss import agreement
 
 
 # ================================================================================================ config
@@ -175,7 +176,7 @@ def build_model(cfg: TrainConfig, rt: Runtime):
                             base_model=cfg.target or DEFAULT_TARGET)
     torch.manual_seed(cfg.seed)
     model = MedusaModel(target, head_cfg)  # freezes the target: requires_grad False, eval()
-    model.heads.float()
+    model.drafter.float()
     return model, tokenizer
 
 
@@ -305,7 +306,7 @@ def training_projection(cfg: TrainConfig, model, data: D.TokenData) -> torch.nn.
         return lm_head
     counts = torch.bincount(data.ids[data.mask.bool()], minlength=lm_head.weight.shape[0])
     keep = counts.topk(cfg.draft_vocab).indices.sort().values                  # [V']
-    model.heads.draft_ids.copy_(keep.to(model.heads.draft_ids.device))
+    model.drafter.draft_ids.copy_(keep.to(model.drafter.draft_ids.device))
     proj = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=lm_head.bias is not None,
                            device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     with torch.no_grad():
@@ -330,16 +331,16 @@ class Engine:
     """The heads' optimiser, scheduler, accumulation, clipping and checkpoints: DeepSpeed (ZeRO-2/3) owns them
     all, on one CPU process as on many GPUs."""
 
-    def __init__(self, cfg: TrainConfig, heads: torch.nn.Module, rt: Runtime):
+    def __init__(self, cfg: TrainConfig, drafter: torch.nn.Module, rt: Runtime):
         import deepspeed
 
-        params = [p for p in heads.parameters() if p.requires_grad]
+        params = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
         self.ds_config = load_deepspeed_config(cfg, rt)
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=heads, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
-        self.heads = heads
+            model=drafter, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        self.drafter = drafter
 
     @property
     def zero_stage(self) -> int:
@@ -376,7 +377,7 @@ class Engine:
         if self.zero_stage == 3:
             import deepspeed
 
-            return deepspeed.zero.GatheredParameters(list(self.heads.parameters()), modifier_rank=None)
+            return deepspeed.zero.GatheredParameters(list(self.drafter.parameters()), modifier_rank=None)
         return contextlib.nullcontext()
 
 
@@ -444,12 +445,11 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
                rt: Runtime):
     """One optimiser step over this rank's micro batches; returns summed per-head stats."""
     stats = None
-    embed = model.base_model.get_input_embeddings()
     for starts in micro_batches:
         h, teacher, weights, ids = window_inputs(cfg, model, proj, data, hidden, starts, rt)
         with autocast(cfg, rt):
-            head_logits = engine(h.float() if cfg.precision == "fp32" else h, proj, ids, embed)  # [K, B, T, V']
-        loss, s = medusa_loss(head_logits, teacher, weights, ids, loss=cfg.loss, decay=cfg.decay)
+            head_logits = engine(h.float() if cfg.precision == "fp32" else h, ids)  # [K, B, T, V']
+        loss, s = model.drafter.loss(head_logits, teacher, weights, ids, loss=cfg.loss, decay=cfg.decay)
         engine.backward(loss)
         engine.step()
         s = {k: v.detach().float() * (s["count"] if k == "loss" else 1) for k, v in s.items()}
@@ -469,16 +469,14 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
     hits = {1: torch.zeros(cfg.num_heads), 5: torch.zeros(cfg.num_heads)}
     count = torch.zeros(cfg.num_heads)
     lm_head = model.base_model.get_output_embeddings()
-    embed = model.base_model.get_input_embeddings()
-    vocab_ids = getattr(model.heads, "draft_ids", None)
+    vocab_ids = getattr(model.drafter, "draft_ids", None)
     n = num_positions(cfg.seq_len, cfg.num_heads)
     with engine.gathered():
         for i in range(0, len(mine), cfg.micro_batch_size):
             h, teacher, weights, ids = window_inputs(cfg, model, lm_head, data, hidden,
                                                      mine[i: i + cfg.micro_batch_size], rt)
             with autocast(cfg, rt):
-                feats = model.heads.hidden(h.float() if cfg.precision == "fp32" else h, ids, embed)  # [K, B, T, H]
-                head_logits = model.draft_logits(feats)  # [K, B, T, V'] as decoding ranks them
+                head_logits = model.drafter(h.float() if cfg.precision == "fp32" else h, ids)  # [K, B, T, V']
             got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5), vocab_ids=vocab_ids)
             for k in hits:
                 hits[k] += got[k]
@@ -650,7 +648,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     proj = training_projection(cfg, model, train_data)
     if proj is not model.base_model.get_output_embeddings():
         log0(rt, f"draft vocabulary: {proj.out_features} tokens cover {proj.coverage:.4f} of trained tokens")
-    engine = Engine(cfg, model.heads, rt)
+    engine = Engine(cfg, model.drafter, rt)
     # --- run
     stats = run(cfg, model, proj, engine, train_data, train_hidden, rt)
     if not stats["finished"]:

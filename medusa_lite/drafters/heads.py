@@ -1,0 +1,353 @@
+"""Draft heads on the target's final-norm state: Medusa heads (h_t only) and Hydra heads (h_t + the drafted path).
+
+Head k (0-based) proposes the token at t + 2 + k from the state h_t of the last accepted position t.
+Medusa heads read h_t only. Hydra heads (arXiv:2402.05109) are sequentially dependent: head k also reads
+the token at t + 1 + k and the state of head k - 1, so each proposal is conditioned on the path drafted
+before it. Both project with the frozen target ``lm_head`` (or, ``share_lm_head=False``, a trained copy
+per head), optionally restricted to a draft vocabulary (``draft_ids``)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..tree import DynamicTree, TreeBuffers, build_buffers, buffers_from_parents, tree_tokens
+from ..verify import Proposals
+from . import register_drafter
+from .base import Draft, Drafter
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with ``W`` zero-initialised, so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)  # SiLU(0) = 0: an untrained head reproduces the base prediction
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+def num_positions(seq_len: int, num_heads: int) -> int:
+    """Positions per training window that every head trains on (the window's last num_heads + 1 only teach)."""
+    return seq_len - num_heads - 1
+
+
+def heads_loss(
+    head_logits: torch.Tensor,        # [K, B, T, V'] draft logits at every window position
+    teacher_logits: torch.Tensor,     # [B, T, V'] target logits at the same positions (no grad)
+    weights: torch.Tensor,            # [K, B, T] 1 where head k at t is trained
+    input_ids: torch.Tensor | None = None,  # [B, T] data tokens (for loss="ce")
+    *,
+    loss: str = "kl",
+    decay: float = 0.8,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted sum over heads of ``decay**k * mean_t loss_k(t)`` and per-head statistics.
+
+    Head k at t learns the token at t + 2 + k; its self-distillation teacher is the target's own
+    distribution for that token, the target logits at t + 1 + k of the same window.
+    ``loss="kl"``: ``KL(p_target(. | x<=t+1+k) || q_k(. | h_t))``; ``loss="ce"``: cross-entropy to the
+    data token ``x_{t+2+k}``. Returns (scalar loss, {"loss": [K], "top1": [K], "count": [K]}) where
+    ``top1`` is the weighted number of positions whose head argmax equals the target argmax.
+    """
+    num_heads, _, seq_len, _ = head_logits.shape
+    n = num_positions(seq_len, num_heads)
+    if loss not in ("kl", "ce"):
+        raise ValueError(f"loss must be 'kl' or 'ce', got {loss!r}")
+    if loss == "ce" and input_ids is None:
+        raise ValueError("loss='ce' needs input_ids")
+    with torch.no_grad():
+        teacher_logp = F.log_softmax(teacher_logits.float(), dim=-1)   # [B, T, V']
+        teacher_top1 = teacher_logits.argmax(dim=-1)                    # [B, T]
+    total = head_logits.new_zeros((), dtype=torch.float32)
+    losses, top1, counts = [], [], []
+    for k in range(num_heads):
+        w = weights[k, :, :n].to(torch.float32)                         # [B, n]
+        logq = F.log_softmax(head_logits[k, :, :n].float(), dim=-1)     # [B, n, V']
+        if loss == "kl":
+            logp = teacher_logp[:, 1 + k: 1 + k + n]                   # [B, n, V']
+            per_token = (logp.exp() * (logp - logq)).sum(-1)           # [B, n]
+        else:
+            target = input_ids[:, 2 + k: 2 + k + n]                     # [B, n]
+            per_token = -logq.gather(-1, target[..., None])[..., 0]
+        count = w.sum()
+        loss_k = (per_token * w).sum() / count.clamp(min=1)
+        total = total + decay ** k * loss_k
+        with torch.no_grad():
+            hit = (logq.argmax(-1) == teacher_top1[:, 1 + k: 1 + k + n]).float()
+        losses.append(loss_k.detach())
+        top1.append((hit * w).sum())
+        counts.append(count)
+    return total, {"loss": torch.stack(losses), "top1": torch.stack(top1), "count": torch.stack(counts)}
+
+
+class HeadsDrafter(Drafter):
+    """K heads of ``num_layers`` ResBlocks on h_t; what Medusa and Hydra heads share (projection, ranking,
+    training). The vocabulary projection is the frozen target ``lm_head`` (referenced, never stored) or a
+    per-head copy initialised from it (``config.share_lm_head=False``)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        h = config.hidden_size
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(h) for _ in range(config.num_layers))) for _ in range(config.num_heads))
+        if config.draft_vocab_size is not None:  # token ids the heads may propose, filled by training
+            self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        self.lm_heads = None
+        if not config.share_lm_head:
+            self.lm_heads = nn.ModuleList(nn.Linear(h, config.vocab_size, bias=False) for _ in range(config.num_heads))
+        self._projection: tuple | None = None
+
+    def attach(self, target) -> None:
+        super().attach(target)
+        if self.lm_heads is not None:  # a fresh per-head lm_head starts as the target's
+            with torch.no_grad():
+                for lm_head in self.lm_heads:
+                    lm_head.weight.copy_(self.target_lm_head.weight)
+
+    # ------------------------------------------------------------------ vocabulary
+    def draft_projection(self) -> torch.Tensor:
+        """Weight [V', H] of the vocabulary the heads propose from (token ids: ``draft_ids``).
+
+        With ``draft_vocab_size`` the rows of the shared ``lm_head`` for ``draft_ids`` are sliced once (and
+        again only when the target's weights move or change dtype): drafting then reads V' rows per step.
+        """
+        weight = self.target_lm_head.weight
+        ids = getattr(self, "draft_ids", None)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device,
+               None if ids is None else (ids.data_ptr(), ids._version))
+        if self._projection is None or self._projection[0] != key:
+            self._projection = (key, weight if ids is None else weight[ids].contiguous())
+        return self._projection[1]
+
+    def logits(self, feats: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """Head features -> logits over the draft vocabulary: [..., H] of head ``k``, or [K, ..., H] of every
+        head (``k=None``) -> [..., V'] / [K, ..., V'] (V' = V without a draft vocabulary)."""
+        if self.lm_heads is None:
+            return F.linear(feats, self.draft_projection().to(feats.dtype))
+        if k is not None:
+            return self.lm_heads[k](feats)
+        return torch.stack([lm_head(f) for lm_head, f in zip(self.lm_heads, feats)])
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary -> token ids."""
+        ids = getattr(self, "draft_ids", None)
+        return index if ids is None else ids[index]
+
+    def rank(self, feats: torch.Tensor, topk: int, k: int | None = None) -> torch.Tensor:
+        """Head features (as :meth:`logits`) -> [..., topk] ranked token ids."""
+        return self.token_ids(self.logits(feats, k).topk(topk, dim=-1).indices)
+
+    # ------------------------------------------------------------------ training and calibration
+    def features(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: hidden [B, T, H], ids [B, T] -> [K, B, T, H] per-head features."""
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] final-norm states, ids [B, T] -> logits [K, B, T, V'], head k at t scoring t + 2 + k."""
+        return self.logits(self.features(hidden, ids))
+
+    def loss(self, logits, teacher, weights, ids, *, loss="kl", decay=0.8):
+        return heads_loss(logits, teacher, weights, ids, loss=loss, decay=decay)
+
+    @torch.no_grad()
+    def ranked(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+        """Head k at t ranks the token at t + 2 + k given the true tokens up to t + 1 + k: what decoding drafts
+        on the path where every earlier proposal was right (calibration's accuracies)."""
+        return self.rank(self.features(hidden[None], ids[None])[:, 0], topk)
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def draft_row(self, hidden, ids, shape, max_depth, sampler=None) -> Draft:
+        (state,) = hidden  # [H] final-norm state of the last accepted position
+        if isinstance(shape, DynamicTree):
+            if not self.dynamic_trees:
+                raise ValueError(f"dynamic trees need Hydra heads: {self.name} proposals do not depend on the path")
+            return self.grow(state, ids, min(shape.depth, max_depth), shape)
+        if shape.num_nodes == 1:  # the root alone: nothing to draft
+            return Draft(ids[-1:].clone(), shape)
+        tokens, proposals = self.fill(state, ids, shape, sampler)
+        return Draft(tokens, shape, proposals)
+
+    def fill(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers, sampler):
+        """Token of every node of a static tree [N] (and, with a ``sampler``, where each was drawn from)."""
+        raise NotImplementedError
+
+    def grow(self, hidden, ids, depth: int, tree: DynamicTree) -> Draft:
+        raise NotImplementedError
+
+
+@register_drafter
+class MedusaDrafter(HeadsDrafter):
+    """Medusa heads: head k reads h_t only, so one call ranks every depth of the tree at once."""
+
+    name = "medusa"
+
+    def features(self, hidden, ids=None):
+        return torch.stack([block(hidden) for block in self.blocks])
+
+    @torch.no_grad()
+    def draft(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+        """hidden [H] of the last accepted position -> [K, topk] ranked draft tokens."""
+        return self.rank(self.features(hidden[None, None])[:, 0, 0], topk)
+
+    def fill(self, hidden, ids, buffers, sampler):
+        if sampler is None:
+            return tree_tokens(ids[-1], self.draft(hidden, ids, buffers.topk), buffers), None
+        feats = self.features(hidden[None, None])[:, 0, 0]  # [K, H]
+        q, drawn = sampler(self.logits(feats), buffers.topk)  # [K, V'], [K, k]
+        row = torch.full((buffers.num_nodes,), -1, dtype=torch.long, device=ids.device)
+        rank = torch.zeros(buffers.num_nodes, dtype=torch.long, device=ids.device)
+        row[1:], rank[1:] = buffers.draft_index // buffers.topk, buffers.draft_index % buffers.topk
+        return (tree_tokens(ids[-1], self.token_ids(drawn), buffers),
+                Proposals(q, drawn, row, rank, getattr(self, "draft_ids", None)))
+
+    _BLOCK = re.compile(r"^blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)$")
+    _LM_HEAD = re.compile(r"^lm_heads\.(\d+)\.weight$")
+
+    @classmethod
+    def export_vllm(cls, config, state, lm_head_weight, dtype):
+        """vLLM's Medusa layout: ``blocks.{h}.layers.{l}.weight|bias``, ``lm_heads.{h}.weight`` (every head gets
+        one: the shared lm_head, or its draft-vocabulary rows, is written once per head) and ``token_map``."""
+        vllm_config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
+                       "vocab_size": config.vocab_size, "num_heads": config.num_heads,
+                       "num_hidden_layers": config.num_layers, "medusa_fc_bias": True,
+                       "truncated_vocab_size": config.draft_vocab_size}
+        out: dict[str, torch.Tensor] = {}
+        token_map = state.get("draft_ids")
+        for name, tensor in state.items():
+            if name == "draft_ids":
+                out["token_map"] = tensor
+            elif m := cls._BLOCK.match(name):
+                out[f"blocks.{m[1]}.layers.{m[2]}.{m[3]}"] = tensor
+            elif m := cls._LM_HEAD.match(name):
+                out[f"lm_heads.{m[1]}.weight"] = tensor
+            else:
+                raise ValueError(f"unexpected tensor {name!r} in heads state dict")
+        if config.share_lm_head:
+            if lm_head_weight is None:
+                raise ValueError("heads share the target's lm_head: pass the target's lm_head weight")
+            rows = lm_head_weight if token_map is None else lm_head_weight[token_map]
+            for h in range(config.num_heads):
+                out[f"lm_heads.{h}.weight"] = rows
+        expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(config.num_heads) for l in range(config.num_layers)
+                    for p in ("weight", "bias")} | {f"lm_heads.{h}.weight" for h in range(config.num_heads)}
+        expected |= {"token_map"} if token_map is not None else set()
+        if set(out) != expected:
+            raise ValueError(f"exported names do not match vLLM's layout: missing {sorted(expected - set(out))}, "
+                             f"extra {sorted(set(out) - expected)}")
+        return vllm_config, {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().clone()
+                             for k, v in sorted(out.items())}
+
+
+def _unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Scale the last dimension to unit RMS (token embeddings are far smaller than final-norm states)."""
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+@register_drafter
+class HydraDrafter(HeadsDrafter):
+    """Sequentially dependent heads: ``s_0 = h_t``; ``s_{k+1} = ResBlocks_k(W_k [s_k ; e(x_{t+1+k})])``.
+
+    Head k scores the token at t + 2 + k from ``s_{k+1}``. ``W_k`` starts as ``[I, 0]``, so a fresh head
+    reproduces the base prediction as a fresh Medusa head does. ``e`` is the target's frozen input embedding.
+    Drafting runs level by level, each expanded node's row reading its own path.
+    """
+
+    name = "hydra"
+    dynamic_trees = True
+    vllm_refusal = "Hydra heads read the drafted path and vLLM has no Hydra proposer; export Medusa heads, " \
+                   "or serve these with medusa-lite serve"
+
+    def __init__(self, config):
+        super().__init__(config)
+        h = config.hidden_size
+        self.fuse = nn.ModuleList(nn.Linear(2 * h, h) for _ in range(config.num_heads))
+        with torch.no_grad():
+            for linear in self.fuse:
+                linear.weight.zero_()
+                linear.weight[:, :h].copy_(torch.eye(h))
+                linear.bias.zero_()
+
+    def step(self, k: int, state: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """Head k: state [..., H] and the embedding of the token it follows [..., H] -> new state [..., H]."""
+        x = torch.cat([state, _unit_rms(token_embeds).to(state.dtype)], dim=-1)
+        return self.blocks[k](self.fuse[k](x))
+
+    def features(self, hidden, ids):
+        """Teacher-forced: head k reads the data token at t + 1 + k (zero past the end)."""
+        emb = self.target_embed(ids)  # [B, T, H]
+        state, out = hidden, []
+        for k in range(self.config.num_heads):
+            follow = torch.zeros_like(emb)
+            follow[:, : emb.shape[1] - 1 - k] = emb[:, 1 + k:]  # token at t + 1 + k
+            state = self.step(k, state, follow)
+            out.append(state)
+        return torch.stack(out)  # [K, B, T, H]
+
+    def fill(self, hidden, ids, buffers, sampler):
+        """Level by level: level d's expanded rows step head d from their parent's state with their own token.
+        With a ``sampler`` each row's children are drawn from the head's processed distribution."""
+        n = buffers.num_nodes
+        tokens = ids[-1].repeat(n)  # [N], root at 0
+        state = hidden[None]  # [1, H]: the root's parent state is h_t
+        row = torch.full((n,), -1, dtype=torch.long, device=ids.device)  # where each node was drawn from
+        rank = torch.zeros(n, dtype=torch.long, device=ids.device)
+        qs, draws, offset = [], [], 0
+        for d, level in enumerate(buffers.levels):
+            state = self.step(d, state[level.parent_row], self.target_embed(tokens[level.expand]))  # [M, H]
+            if sampler is None:
+                ranked = self.rank(state, level.topk, d)  # [M, topk]
+            else:
+                q, drawn = sampler(self.logits(state, d), level.topk)  # [M, V'], [M, topk]
+                ranked = self.token_ids(drawn)
+                row[level.children], rank[level.children] = offset + level.child_row, level.child_rank
+                qs.append(q)
+                draws.append(drawn)
+                offset += q.shape[0]
+            tokens[level.children] = ranked[level.child_row, level.child_rank]
+        if not qs:
+            return tokens, None
+        width = max(t.shape[1] for t in draws)
+        drawn = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in draws])
+        return tokens, Proposals(torch.cat(qs), drawn, row, rank, getattr(self, "draft_ids", None))
+
+    def grow(self, hidden, ids, depth, tree) -> Draft:
+        """A tree grown for this step (EAGLE-2): level d expands the ``tree.expand`` best nodes of depth d into
+        their ``tree.topk`` most likely children, scored by the summed log-probability of their path; the
+        ``tree.nodes`` best scored nodes are kept. A child's score is below its parent's (ties broken by
+        depth), so the kept set contains every kept node's ancestors."""
+        root = ids[-1:]
+        if depth < 1:
+            return Draft(root, build_buffers([], root.device))
+        state, tokens = hidden[None], root                   # expanded rows: [M, H], [M]
+        scores = torch.zeros(1, device=hidden.device)        # [M] path log-probability of each row
+        rows = torch.zeros(1, dtype=torch.long, device=hidden.device)  # [M] node index (0 = root)
+        all_tokens, all_scores, all_parents = [], [], []
+        count = 1                                            # nodes so far, root included
+        for d in range(depth):
+            state = self.step(d, state, self.target_embed(tokens))  # [M, H]
+            logp, idx = torch.log_softmax(self.logits(state, d).float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
+            child_tokens = self.token_ids(idx).flatten()              # [M * k]
+            child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent
+            all_tokens.append(child_tokens)
+            all_scores.append(child_scores)
+            all_parents.append(rows.repeat_interleave(tree.topk))
+            if d + 1 < depth:
+                pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
+                state, tokens, scores = state[pick // tree.topk], child_tokens[pick], child_scores[pick]
+                rows = count + pick
+            count += child_tokens.numel()
+        cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
+        cand_parents = torch.cat(all_parents).tolist()
+        keep = sorted(cand_scores.topk(min(tree.nodes, cand_scores.numel())).indices.tolist())  # parents first
+        node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}  # candidate c is node index c + 1 overall
+        parents = [-1] + [node_of[cand_parents[c]] for c in keep]
+        out = torch.cat([root, cand_tokens[torch.tensor(keep, device=root.device)]])
+        return Draft(out, buffers_from_parents(parents, root.device))
