@@ -19,7 +19,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 
 from .cache import keep_accepted, new_cache
 from .config import text_config
-from .drafters import Draft, Drafter, DraftState
+from .drafters import Draft, Drafter, DraftState, drafter_features
 from .sampling import build_warpers, target_probs
 from .tree import (DynamicTree, TreeBuffers, attention_bias, buffers_from_parents, build_buffers, lookup_continuation,
                    merge_chain, truncate)
@@ -324,9 +324,9 @@ def speculative_generate(
     return new, stats
 
 
-def _read(out, drafter: Drafter) -> tuple[torch.Tensor, ...]:
-    """The target hidden states the drafter reads: per layer in ``drafter.hidden_layers``, [B, T, H]."""
-    return tuple(out.hidden_states[i] for i in drafter.hidden_layers)
+def _read(out, drafter: Drafter) -> torch.Tensor:
+    """The target features the drafter reads: its ``hidden_layers`` concatenated, [B, T, F]."""
+    return drafter_features(out.hidden_states, drafter.hidden_layers)
 
 
 def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:

@@ -17,7 +17,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
 from .fit import AcceptanceTable, HardwareFit, SpeedGuard, fit_trees
-from .drafters import build_drafter
+from .drafters import build_drafter, drafter_features
 from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, StaticTree, context_length,
                        speculative_generate)
 from .sampling import DraftSampler, build_warpers, check_supported
@@ -159,8 +159,7 @@ class MedusaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, **kwargs):
         """Target forward plus teacher-forced draft logits: (target output, drafter logits [K, B, T, V'])."""
         out = self.base_model(input_ids=input_ids, output_hidden_states=True, return_dict=True, **kwargs)
-        hidden = [out.hidden_states[i] for i in self.drafter.hidden_layers]
-        return out, self.drafter(*hidden, input_ids)
+        return out, self.drafter(drafter_features(out.hidden_states, self.drafter.hidden_layers), input_ids)
 
     @property
     def choices(self) -> TreeSpec:

@@ -173,10 +173,10 @@ def test_hydra_ranked_proposals_match_what_decoding_drafts_on_the_true_path(tmp_
     ranked = model.drafter.ranked(hidden, ids, topk=3)  # [2, T, 3]
     wide = build_buffers([[0], [1], [2]])
     for t in range(4, ids.numel() - 2):
-        drafted = model.drafter.draft_row((hidden[t],), ids[: t + 2], wide, 64).tokens  # root = the true token at t + 1
+        drafted = model.drafter.draft_row(hidden[t], ids[: t + 2], wide, 64).tokens  # root = the true token at t + 1
         assert drafted[1:].tolist() == ranked[0, t].tolist()
         path = build_buffers([[0], [0, 0]])  # depth 2 after the rank-0 token
-        second = model.drafter.draft_row((hidden[t],), ids[: t + 2], path, 64).tokens
+        second = model.drafter.draft_row(hidden[t], ids[: t + 2], path, 64).tokens
         if second[1] == ids[t + 2]:  # head 0 was right: head 1 read the true token
             assert second[2] == ranked[1, t, 0]
 

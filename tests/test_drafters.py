@@ -33,8 +33,8 @@ def test_propose_commit_batch_rows(name):
     drafter = model.drafter
     ids = [torch.tensor([5, 9, 17]), torch.tensor([3, 4, 8, 21, 30])]
     hidden = torch.randn(2, 6, 64)
-    state = drafter.start(ids, (hidden,))
-    assert torch.equal(state.hidden[0][1], hidden[1, 3])  # the last prompt position of row 1
+    state = drafter.start(ids, hidden)
+    assert torch.equal(state.hidden[1], hidden[1, 3])  # the last prompt position of row 1
     buffers = build_buffers([[0], [1], [0, 0]])
     drafts = drafter.propose(state, buffers, max_depth=8)
     assert len(drafts) == 2
@@ -42,9 +42,9 @@ def test_propose_commit_batch_rows(name):
         assert draft.tokens.shape == (4,) and int(draft.tokens[0]) == int(row[-1])  # the root first
     assert torch.equal(drafts[1].tokens, drafter.propose(DraftState.single(ids[1], hidden[1, 3]), buffers, 8)[0].tokens)
     verify_hidden = torch.randn(2, 4, 64)
-    drafter.commit(state, [torch.tensor([0, 1]), torch.tensor([0])], (verify_hidden,),
+    drafter.commit(state, [torch.tensor([0, 1]), torch.tensor([0])], verify_hidden,
                    [torch.tensor([5, 9, 17, 40, 41]), torch.tensor([3, 4, 8, 21, 30, 50])])
-    assert torch.equal(state.hidden[0][0], verify_hidden[0, 1]) and torch.equal(state.hidden[0][1], verify_hidden[1, 0])
+    assert torch.equal(state.hidden[0], verify_hidden[0, 1]) and torch.equal(state.hidden[1], verify_hidden[1, 0])
     if drafter.dynamic_trees:
         (grown,) = drafter.propose(DraftState.single(ids[0], hidden[0, 1]), DynamicTree(nodes=5, depth=3), 8)
         assert grown.buffers.num_nodes == 6

@@ -51,7 +51,7 @@ def test_round_trip_hydra_with_draft_vocab(tmp_path):
     # proposals come from the draft vocabulary only
     from medusa_lite.tree import build_buffers
 
-    tokens = loaded.drafter.draft_row((torch.randn(64),), torch.tensor([3]), build_buffers(loaded.config.choices), 64).tokens
+    tokens = loaded.drafter.draft_row(torch.randn(64), torch.tensor([3]), build_buffers(loaded.config.choices), 64).tokens
     assert all(t % 2 == 0 for t in tokens[1:].tolist())
     with pytest.raises(ValueError, match="head_type"):
         MedusaConfig(head_type="eagle")

@@ -105,7 +105,7 @@ def test_hydra_draft_tree_equals_per_node_recursion():
     random_heads(model, std=0.3, seed=0)
     buffers = build_buffers(DEFAULT_TREE)
     hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
-    tokens = model.drafter.draft_row((hidden,), ids, buffers, 64).tokens
+    tokens = model.drafter.draft_row(hidden, ids, buffers, 64).tokens
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
 
     def node_token(path):  # recursion along the path, batch of one
@@ -148,16 +148,16 @@ def test_dynamic_tree_is_a_valid_tree_of_the_best_paths():
     model = _hydra()
     hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
     # topk = expand = 1: the greedy chain, i.e. the static chain tree
-    tokens, buffers, _ = model.drafter.draft_row((hidden,), ids, DynamicTree(nodes=3, depth=3, topk=1, expand=1), 8)
-    assert tokens.tolist() == model.drafter.draft_row((hidden,), ids, build_buffers(chain(3)), 64).tokens.tolist()
+    tokens, buffers, _ = model.drafter.draft_row(hidden, ids, DynamicTree(nodes=3, depth=3, topk=1, expand=1), 8)
+    assert tokens.tolist() == model.drafter.draft_row(hidden, ids, build_buffers(chain(3)), 64).tokens.tolist()
     assert buffers.depths.tolist() == [0, 1, 2, 3]
     # expanding everything at depth 2 with all nodes kept: the full static tree, as a set of paths
     full = [[i] for i in range(3)] + [[i, j] for i in range(3) for j in range(3)]
-    tokens, buffers, _ = model.drafter.draft_row((hidden,), ids, DynamicTree(nodes=12, depth=2, topk=3, expand=3), 8)
-    static = model.drafter.draft_row((hidden,), ids, build_buffers(full), 64).tokens
+    tokens, buffers, _ = model.drafter.draft_row(hidden, ids, DynamicTree(nodes=12, depth=2, topk=3, expand=3), 8)
+    static = model.drafter.draft_row(hidden, ids, build_buffers(full), 64).tokens
     assert sorted(tokens.tolist()) == sorted(static.tolist()) and buffers.num_nodes == 13
     # a budget: N nodes, parents kept, siblings distinct, depth capped by max_depth
-    tokens, buffers, _ = model.drafter.draft_row((hidden,), ids, DynamicTree(nodes=7, depth=3, topk=3, expand=2), 2)
+    tokens, buffers, _ = model.drafter.draft_row(hidden, ids, DynamicTree(nodes=7, depth=3, topk=3, expand=2), 2)
     assert buffers.num_nodes == 8 and buffers.depth <= 2
     for path in buffers.paths.tolist():
         nodes = [n for n in path if n >= 0]
@@ -166,7 +166,7 @@ def test_dynamic_tree_is_a_valid_tree_of_the_best_paths():
         kids = [i for i in range(1, 8) if buffers.ancestor_mask[i].sum() == buffers.ancestor_mask[parent].sum() + 1
                 and buffers.ancestor_mask[i, parent]]
         assert len({int(tokens[k]) for k in kids}) == len(kids)
-    root_only, b, _ = model.drafter.draft_row((hidden,), ids, DynamicTree(nodes=7, depth=3), 0)
+    root_only, b, _ = model.drafter.draft_row(hidden, ids, DynamicTree(nodes=7, depth=3), 0)
     assert root_only.tolist() == [17] and b.num_nodes == 1
 
 

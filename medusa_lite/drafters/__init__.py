@@ -27,6 +27,15 @@ def drafter_class(name: str) -> type[Drafter]:
     return DRAFTERS[name]
 
 
+def drafter_features(hidden_states, layers: tuple[int, ...]):
+    """A target forward's ``hidden_states`` -> the features of ``layers`` concatenated on the last dimension."""
+    import torch
+
+    if len(layers) == 1:
+        return hidden_states[layers[0]]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
 def build_drafter(config) -> Drafter:
     """A fresh drafter for ``config`` (its ``head_type``), not yet attached to a target."""
     return drafter_class(config.head_type)(config)
@@ -34,5 +43,5 @@ def build_drafter(config) -> Drafter:
 
 from . import heads  # noqa: E402,F401  (registers medusa and hydra)
 
-__all__ = ["DRAFTERS", "Draft", "DraftState", "Drafter", "TreeShape", "build_drafter", "drafter_class",
+__all__ = ["DRAFTERS", "Draft", "DraftState", "Drafter", "TreeShape", "build_drafter", "drafter_class", "drafter_features",
            "register_drafter"]

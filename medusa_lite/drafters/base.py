@@ -3,15 +3,15 @@
 A drafter is an ``nn.Module`` registered by name (:func:`medusa_lite.drafters.register_drafter`) with its
 config class. The speculative loop (:func:`medusa_lite.generate.speculative_generate`) knows only this:
 
-- ``hidden_layers``: which of the target's ``hidden_states`` it reads (-1: the final-norm states).
+- ``hidden_layers``: which of the target's ``hidden_states`` it reads (-1: the final-norm states), concatenated
+  on the last dimension: its features are [..., F] with F = len(hidden_layers) * H.
 - ``start(ids, hidden)`` after the prompt's forward, ``propose(state, shape, max_depth, sampler)`` each step
   (one :class:`Draft` per batch row), ``commit(state, accepted, hidden, ids)`` after verification (a
   stateful drafter keeps and compacts its own cache there).
 - ``forward(hidden, ids)``: teacher-forced logits for training, ``loss(...)`` its training objective,
   ``ranked(...)`` teacher-forced proposals for calibration, ``export_vllm(...)`` its vLLM checkpoint.
 
-Shapes are batch-first with per-row lengths: ``DraftState.ids`` is a list of rows, hidden states are
-``[B, ...]``. The frozen target's ``lm_head`` and input embeddings are referenced (:meth:`Drafter.attach`),
+Shapes are batch-first with per-row lengths: ``DraftState.ids`` is a list of rows, features are ``[B, ...]``. The frozen target's ``lm_head`` and input embeddings are referenced (:meth:`Drafter.attach`),
 never owned: they are neither trained nor saved with the drafter.
 """
 
@@ -40,19 +40,19 @@ class DraftState:
     """What a drafter knows between steps, per batch row.
 
     ids: per row, every token so far [L_b], ending in the root (the target's next token, not yet in its cache).
-    hidden: per hidden layer the drafter reads, [B, H]: the target's state at each row's last accepted position.
+    hidden: [B, F] the target features (``hidden_layers``) at each row's last accepted position.
     cache: a stateful drafter's own (e.g. its KV cache); None for heads that read the target state only.
     """
 
     ids: list[torch.Tensor]
-    hidden: tuple[torch.Tensor, ...]
+    hidden: torch.Tensor
     cache: object = None
 
     @classmethod
-    def single(cls, ids: torch.Tensor, *hidden: torch.Tensor) -> "DraftState":
-        """One row: ids [L] ending in the root, per hidden layer the state [H] at the last accepted position
-        (replays and probes that draft from known positions, without a loop)."""
-        return cls([ids], tuple(h[None] for h in hidden))
+    def single(cls, ids: torch.Tensor, hidden: torch.Tensor) -> "DraftState":
+        """One row: ids [L] ending in the root, the features [F] at the last accepted position (replays and probes
+        that draft from known positions, without a loop; a stateful drafter builds its cache from ``ids``)."""
+        return cls([ids], hidden[None])
 
 
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step
@@ -84,35 +84,39 @@ class Drafter(nn.Module):
         return self.__dict__["_target_io"][1]
 
     # ------------------------------------------------------------------ decoding
-    def start(self, ids: list[torch.Tensor], hidden: tuple[torch.Tensor, ...]) -> DraftState:
-        """After the prompt's forward. ids: per row [L_b] ending in the root; hidden: per hidden layer [B, L, H]."""
-        last = torch.tensor([row.numel() - 2 for row in ids], device=hidden[0].device)  # the prompt's last position
-        rows = torch.arange(len(ids), device=hidden[0].device)
-        return DraftState(list(ids), tuple(h[rows, last] for h in hidden))
+    def start(self, ids: list[torch.Tensor], hidden: torch.Tensor) -> DraftState:
+        """After the prompt's forward. ids: per row [L_b] ending in the root; hidden: [B, L, F] prompt features."""
+        last = torch.tensor([row.numel() - 2 for row in ids], device=hidden.device)  # the prompt's last position
+        return DraftState(list(ids), hidden[torch.arange(len(ids), device=hidden.device), last])
 
     def propose(self, state: DraftState, shape: TreeShape, max_depth: int, sampler=None) -> list[Draft]:
         """One :class:`Draft` per row: a static tree's tokens (``shape``: its buffers, capped at ``max_depth``
         by the caller) or a tree grown within the budget ``shape`` (a :class:`DynamicTree`), no deeper
         than ``max_depth``. With a ``sampler`` tokens are drawn from the drafter's distribution."""
-        return [self.draft_row(tuple(h[b] for h in state.hidden), ids, shape, max_depth, sampler)
+        return [self.draft_row(state.hidden[b], ids, shape, max_depth, sampler, state.cache)
                 for b, ids in enumerate(state.ids)]
 
-    def draft_row(self, hidden: tuple[torch.Tensor, ...], ids: torch.Tensor, shape: TreeShape, max_depth: int,
-                  sampler=None) -> Draft:
+    def draft_row(self, hidden: torch.Tensor, ids: torch.Tensor, shape: TreeShape, max_depth: int, sampler=None,
+                  cache=None) -> Draft:
+        """One row's draft: features [F] at the last accepted position, ids [L] ending in the root."""
         raise NotImplementedError
 
-    def commit(self, state: DraftState, accepted: list[torch.Tensor], hidden: tuple[torch.Tensor, ...],
+    def commit(self, state: DraftState, accepted: list[torch.Tensor], hidden: torch.Tensor,
                ids: list[torch.Tensor]) -> None:
-        """After verification. accepted: per row the accepted node indices [a_b + 1] (root first); hidden: per
-        hidden layer the verify forward's [B, N, H]; ids: per row every token so far, ending in the new root."""
-        rows = torch.arange(len(accepted), device=hidden[0].device)
-        last = torch.stack([nodes[-1] for nodes in accepted]).to(hidden[0].device)
-        state.hidden = tuple(h[rows, last] for h in hidden)
+        """After verification. accepted: per row the accepted node indices [a_b + 1] (root first); hidden: the
+        verify forward's features [B, N, F]; ids: per row every token so far, ending in the new root."""
+        last = torch.stack([nodes[-1] for nodes in accepted]).to(hidden.device)
+        state.hidden = hidden[torch.arange(len(accepted), device=hidden.device), last]
         state.ids = list(ids)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the draft vocabulary (``draft_ids``, when the drafter has one) -> token ids."""
+        ids = getattr(self, "draft_ids", None)
+        return index if ids is None else ids[index]
 
     # ------------------------------------------------------------------ training, calibration, export
     def ranked(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
-        """Teacher-forced proposals along a known sequence: hidden [T, H], ids [T] -> [K, T, topk] token ids."""
+        """Teacher-forced proposals along a known sequence: features [T, F], ids [T] -> [K, T, topk] token ids."""
         raise NotImplementedError
 
     def loss(self, logits: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, *,
@@ -124,3 +128,94 @@ class Drafter(nn.Module):
                     dtype: torch.dtype) -> tuple[dict, dict[str, torch.Tensor]]:
         """(vLLM ``config.json`` dict, tensors) for a saved drafter; ValueError naming why where vLLM cannot."""
         raise ValueError(f"vLLM cannot run {cls.name!r} drafters: {cls.vllm_refusal or 'no export written'}")
+
+
+class PathDrafter(Drafter):
+    """A drafter whose proposals depend on the drafted path (Hydra heads, EAGLE-3): trees are drafted level by
+    level, each expanded node's row reading its own path, so static trees (filled) and trees grown each step
+    (EAGLE-2) share one engine. Subclasses give :meth:`begin` (a row's per-step context) and :meth:`advance`
+    (expand one level's nodes into logits over the draft vocabulary) and :meth:`token_ids`."""
+
+    dynamic_trees = True
+
+    def begin(self, hidden: torch.Tensor, ids: torch.Tensor, cache):
+        """A row's drafting context for one step: features [F] of the last accepted position, ids [L] (root last)."""
+        raise NotImplementedError
+
+    def advance(self, ctx, depth: int, parent_rows: torch.Tensor, tokens: torch.Tensor, nodes: list[int],
+                parents: list[int]) -> torch.Tensor:
+        """Expand M nodes of ``depth`` (node ids ``nodes``, tokens [M]; depth 0: the root) whose parents are rows
+        ``parent_rows`` [M] of the previous call (depth 0: row 0); ``parents[n]`` is node n's parent.
+        Returns [M, V'] logits of their children."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def draft_row(self, hidden, ids, shape, max_depth, sampler=None, cache=None) -> Draft:
+        if isinstance(shape, DynamicTree):
+            return self.grow(self.begin(hidden, ids, cache), ids, min(shape.depth, max_depth), shape)
+        if shape.num_nodes == 1:  # the root alone: nothing to draft
+            return Draft(ids[-1:].clone(), shape)
+        return self.fill(self.begin(hidden, ids, cache), ids, shape, sampler)
+
+    def fill(self, ctx, ids: torch.Tensor, buffers: TreeBuffers, sampler) -> Draft:
+        """A static tree's tokens, level by level; with a ``sampler`` each row's children are drawn from the
+        drafter's processed distribution (their :class:`Proposals` kept for verification)."""
+        n = buffers.num_nodes
+        tokens = ids[-1].repeat(n)  # [N], root at 0
+        row = torch.full((n,), -1, dtype=torch.long, device=ids.device)  # where each node was drawn from
+        rank = torch.zeros(n, dtype=torch.long, device=ids.device)
+        qs, draws, offset = [], [], 0
+        for d, level in enumerate(buffers.levels):
+            logits = self.advance(ctx, d, level.parent_row, tokens[level.expand], level.expand.tolist(),
+                                  buffers.parents)  # [M, V']
+            if sampler is None:
+                ranked = self.token_ids(logits.topk(level.topk, dim=-1).indices)  # [M, topk]
+            else:
+                q, drawn = sampler(logits, level.topk)  # [M, V'], [M, topk]
+                ranked = self.token_ids(drawn)
+                row[level.children], rank[level.children] = offset + level.child_row, level.child_rank
+                qs.append(q)
+                draws.append(drawn)
+                offset += q.shape[0]
+            tokens[level.children] = ranked[level.child_row, level.child_rank]
+        if not qs:
+            return Draft(tokens, buffers)
+        width = max(t.shape[1] for t in draws)
+        drawn = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in draws])
+        return Draft(tokens, buffers, Proposals(torch.cat(qs), drawn, row, rank, getattr(self, "draft_ids", None)))
+
+    def grow(self, ctx, ids: torch.Tensor, depth: int, tree: DynamicTree) -> Draft:
+        """A tree grown for this step (EAGLE-2): level d expands the ``tree.expand`` best nodes of depth d into
+        their ``tree.topk`` most likely children, scored by the summed log-probability of their path; the
+        ``tree.nodes`` best scored nodes are kept. A child's score is below its parent's (ties broken by depth),
+        so the kept set contains every kept node's ancestors. Candidate c is node c + 1 (the root is 0)."""
+        from ..tree import build_buffers, buffers_from_parents
+
+        root = ids[-1:]
+        if depth < 1:
+            return Draft(root, build_buffers([], root.device))
+        device = root.device
+        parent_rows = torch.zeros(1, dtype=torch.long, device=device)  # [M] row of each expanded node's parent
+        tokens, nodes = root, [0]                                      # [M] expanded nodes' tokens and ids
+        scores = torch.zeros(1, device=device)                         # [M] path log-probability of each row
+        parents = [-1]                                                 # parent of every node so far
+        all_tokens, all_scores = [], []
+        for d in range(depth):
+            logits = self.advance(ctx, d, parent_rows, tokens, nodes, parents)  # [M, V']
+            logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
+            child_tokens = self.token_ids(idx).flatten()              # [M * k]
+            child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent
+            first = len(parents)
+            parents += [p for p in nodes for _ in range(tree.topk)]
+            all_tokens.append(child_tokens)
+            all_scores.append(child_scores)
+            if d + 1 < depth:
+                pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
+                parent_rows, tokens, scores = pick // tree.topk, child_tokens[pick], child_scores[pick]
+                nodes = (first + pick).tolist()
+        cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
+        keep = sorted(cand_scores.topk(min(tree.nodes, cand_scores.numel())).indices.tolist())  # parents first
+        node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}
+        kept_parents = [-1] + [node_of[parents[c + 1]] for c in keep]
+        out = torch.cat([root, cand_tokens[torch.tensor(keep, device=device)]])
+        return Draft(out, buffers_from_parents(kept_parents, device))

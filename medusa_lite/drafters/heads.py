@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tree import DynamicTree, TreeBuffers, build_buffers, buffers_from_parents, tree_tokens
+from ..tree import DynamicTree, TreeBuffers, tree_tokens
 from ..verify import Proposals
 from . import register_drafter
-from .base import Draft, Drafter
+from .base import Draft, Drafter, PathDrafter
 
 
 class ResBlock(nn.Module):
@@ -135,11 +135,6 @@ class HeadsDrafter(Drafter):
             return self.lm_heads[k](feats)
         return torch.stack([lm_head(f) for lm_head, f in zip(self.lm_heads, feats)])
 
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Indices into the draft vocabulary -> token ids."""
-        ids = getattr(self, "draft_ids", None)
-        return index if ids is None else ids[index]
-
     def rank(self, feats: torch.Tensor, topk: int, k: int | None = None) -> torch.Tensor:
         """Head features (as :meth:`logits`) -> [..., topk] ranked token ids."""
         return self.token_ids(self.logits(feats, k).topk(topk, dim=-1).indices)
@@ -162,26 +157,6 @@ class HeadsDrafter(Drafter):
         on the path where every earlier proposal was right (calibration's accuracies)."""
         return self.rank(self.features(hidden[None], ids[None])[:, 0], topk)
 
-    # ------------------------------------------------------------------ decoding
-    @torch.no_grad()
-    def draft_row(self, hidden, ids, shape, max_depth, sampler=None) -> Draft:
-        (state,) = hidden  # [H] final-norm state of the last accepted position
-        if isinstance(shape, DynamicTree):
-            if not self.dynamic_trees:
-                raise ValueError(f"dynamic trees need Hydra heads: {self.name} proposals do not depend on the path")
-            return self.grow(state, ids, min(shape.depth, max_depth), shape)
-        if shape.num_nodes == 1:  # the root alone: nothing to draft
-            return Draft(ids[-1:].clone(), shape)
-        tokens, proposals = self.fill(state, ids, shape, sampler)
-        return Draft(tokens, shape, proposals)
-
-    def fill(self, hidden: torch.Tensor, ids: torch.Tensor, buffers: TreeBuffers, sampler):
-        """Token of every node of a static tree [N] (and, with a ``sampler``, where each was drawn from)."""
-        raise NotImplementedError
-
-    def grow(self, hidden, ids, depth: int, tree: DynamicTree) -> Draft:
-        raise NotImplementedError
-
 
 @register_drafter
 class MedusaDrafter(HeadsDrafter):
@@ -196,6 +171,16 @@ class MedusaDrafter(HeadsDrafter):
     def draft(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
         """hidden [H] of the last accepted position -> [K, topk] ranked draft tokens."""
         return self.rank(self.features(hidden[None, None])[:, 0, 0], topk)
+
+    @torch.no_grad()
+    def draft_row(self, hidden, ids, shape, max_depth, sampler=None, cache=None) -> Draft:
+        """hidden [H]: one call ranks every depth of a static tree at once."""
+        if isinstance(shape, DynamicTree):
+            raise ValueError(f"dynamic trees need Hydra heads: {self.name} proposals do not depend on the path")
+        if shape.num_nodes == 1:  # the root alone: nothing to draft
+            return Draft(ids[-1:].clone(), shape)
+        tokens, proposals = self.fill(hidden, ids, shape, sampler)
+        return Draft(tokens, shape, proposals)
 
     def fill(self, hidden, ids, buffers, sampler):
         if sampler is None:
@@ -252,16 +237,15 @@ def _unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @register_drafter
-class HydraDrafter(HeadsDrafter):
+class HydraDrafter(HeadsDrafter, PathDrafter):
     """Sequentially dependent heads: ``s_0 = h_t``; ``s_{k+1} = ResBlocks_k(W_k [s_k ; e(x_{t+1+k})])``.
 
     Head k scores the token at t + 2 + k from ``s_{k+1}``. ``W_k`` starts as ``[I, 0]``, so a fresh head
     reproduces the base prediction as a fresh Medusa head does. ``e`` is the target's frozen input embedding.
-    Drafting runs level by level, each expanded node's row reading its own path.
+    Drafting runs level by level (:class:`PathDrafter`), each expanded node's row reading its own path.
     """
 
     name = "hydra"
-    dynamic_trees = True
     vllm_refusal = "Hydra heads read the drafted path and vLLM has no Hydra proposer; export Medusa heads, " \
                    "or serve these with medusa-lite serve"
 
@@ -291,63 +275,9 @@ class HydraDrafter(HeadsDrafter):
             out.append(state)
         return torch.stack(out)  # [K, B, T, H]
 
-    def fill(self, hidden, ids, buffers, sampler):
-        """Level by level: level d's expanded rows step head d from their parent's state with their own token.
-        With a ``sampler`` each row's children are drawn from the head's processed distribution."""
-        n = buffers.num_nodes
-        tokens = ids[-1].repeat(n)  # [N], root at 0
-        state = hidden[None]  # [1, H]: the root's parent state is h_t
-        row = torch.full((n,), -1, dtype=torch.long, device=ids.device)  # where each node was drawn from
-        rank = torch.zeros(n, dtype=torch.long, device=ids.device)
-        qs, draws, offset = [], [], 0
-        for d, level in enumerate(buffers.levels):
-            state = self.step(d, state[level.parent_row], self.target_embed(tokens[level.expand]))  # [M, H]
-            if sampler is None:
-                ranked = self.rank(state, level.topk, d)  # [M, topk]
-            else:
-                q, drawn = sampler(self.logits(state, d), level.topk)  # [M, V'], [M, topk]
-                ranked = self.token_ids(drawn)
-                row[level.children], rank[level.children] = offset + level.child_row, level.child_rank
-                qs.append(q)
-                draws.append(drawn)
-                offset += q.shape[0]
-            tokens[level.children] = ranked[level.child_row, level.child_rank]
-        if not qs:
-            return tokens, None
-        width = max(t.shape[1] for t in draws)
-        drawn = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in draws])
-        return tokens, Proposals(torch.cat(qs), drawn, row, rank, getattr(self, "draft_ids", None))
+    def begin(self, hidden, ids, cache):
+        return {"state": hidden[None]}  # [1, H]: the root's parent state is h_t
 
-    def grow(self, hidden, ids, depth, tree) -> Draft:
-        """A tree grown for this step (EAGLE-2): level d expands the ``tree.expand`` best nodes of depth d into
-        their ``tree.topk`` most likely children, scored by the summed log-probability of their path; the
-        ``tree.nodes`` best scored nodes are kept. A child's score is below its parent's (ties broken by
-        depth), so the kept set contains every kept node's ancestors."""
-        root = ids[-1:]
-        if depth < 1:
-            return Draft(root, build_buffers([], root.device))
-        state, tokens = hidden[None], root                   # expanded rows: [M, H], [M]
-        scores = torch.zeros(1, device=hidden.device)        # [M] path log-probability of each row
-        rows = torch.zeros(1, dtype=torch.long, device=hidden.device)  # [M] node index (0 = root)
-        all_tokens, all_scores, all_parents = [], [], []
-        count = 1                                            # nodes so far, root included
-        for d in range(depth):
-            state = self.step(d, state, self.target_embed(tokens))  # [M, H]
-            logp, idx = torch.log_softmax(self.logits(state, d).float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
-            child_tokens = self.token_ids(idx).flatten()              # [M * k]
-            child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent
-            all_tokens.append(child_tokens)
-            all_scores.append(child_scores)
-            all_parents.append(rows.repeat_interleave(tree.topk))
-            if d + 1 < depth:
-                pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
-                state, tokens, scores = state[pick // tree.topk], child_tokens[pick], child_scores[pick]
-                rows = count + pick
-            count += child_tokens.numel()
-        cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
-        cand_parents = torch.cat(all_parents).tolist()
-        keep = sorted(cand_scores.topk(min(tree.nodes, cand_scores.numel())).indices.tolist())  # parents first
-        node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}  # candidate c is node index c + 1 overall
-        parents = [-1] + [node_of[cand_parents[c]] for c in keep]
-        out = torch.cat([root, cand_tokens[torch.tensor(keep, device=root.device)]])
-        return Draft(out, buffers_from_parents(parents, root.device))
+    def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
+        ctx["state"] = self.step(depth, ctx["state"][parent_rows], self.target_embed(tokens))  # [M, H]
+        return self.logits(ctx["state"], depth)
