@@ -1,55 +1,151 @@
 """The only module touching transformers' cache internals.
 
 After a verify pass the cache holds prefix + every tree node; we keep prefix + the accepted path.
-Only the plain ``DynamicCache`` of full-attention layers can be compacted this way: sliding-window
-layers may already have evicted prefix entries and recurrent / linear-attention states cannot be
-rewound, so such models are refused with a clear error.
+
+Two kinds of cache layer can do that exactly:
+
+* full attention (``DynamicLayer``): every past key is kept; the accepted nodes are moved in place.
+* sliding-window attention (``DynamicSlidingWindowLayer``): transformers keeps only the last
+  ``window - 1`` keys, which is all the next tokens can see. With past recording on (the mechanism
+  transformers 5.x uses to roll back assisted generation, :meth:`DynamicCache.activate_past_recording`)
+  the layer keeps the tree's keys until :meth:`crop`, so the accepted nodes are moved in place and
+  ``crop`` drops the rest and trims the layer back to ``window - 1`` keys: its memory stays bounded by
+  window + tree. The verify pass gives these layers their own mask (:func:`tree_attention_mask`).
+
+Recurrent, linear-attention, convolutional, hybrid and chunked layers are refused when the model is
+wrapped (:func:`check_model`, called by ``MedusaModel(...)``), with an error naming the layer type:
+their state after a tree of tokens mixes siblings, and cannot be rolled back to one path.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
 from .config import text_config
+from .tree import TreeBuffers, attention_bias, sliding_attention_bias
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+# cache layer class -> the layer type (and the key of transformers' per-type mask mapping) it serves
+SUPPORTED_LAYERS = {DynamicLayer: FULL, DynamicSlidingWindowLayer: SLIDING}
+_WHY = {
+    "linear_attention": "a recurrent / state-space (Mamba-style) or linear-attention state",
+    "conv": "a causal-convolution state",
+    "hybrid": "a recurrent state next to its attention cache",
+    "hybrid_sliding": "a recurrent state next to its attention cache",
+    "chunked_attention": "chunked attention (its mask is not a window counted from each token)",
+    "dummy": "a layer sharing another layer's cache (untested with tree verification)",
+}
 
 
 class UnsupportedCacheError(ValueError):
     """The target's KV cache cannot keep an arbitrary subset of the tokens it just appended."""
 
 
+def layer_types(model_or_config) -> list[str]:
+    """Each decoder layer's type as transformers' ``DynamicCache`` sees it (``'full_attention'``,
+    ``'sliding_attention'``, ``'linear_attention'``, ...)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return list(get_layer_types_and_kwargs(text_config(config))[0])
+
+
+def check_model(model) -> None:
+    """Raise :class:`UnsupportedCacheError` (naming the layer and its type) unless tree verification is
+    exact on ``model``: every cache layer full or sliding-window attention, one window for all sliding
+    layers, and a forward that takes a cache. Called when the model is wrapped (``MedusaModel(...)``)."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" not in params and "past_key_values" not in params:
+        raise UnsupportedCacheError(f"{type(model).__name__}.forward takes no KV cache: medusa_lite cannot verify "
+                                    "a tree of tokens on it")
+    check_cache(DynamicCache(config=text_config(model.config)), layer_types(model))
+
+
 def new_cache(model) -> DynamicCache:
-    """A fresh ``DynamicCache`` for ``model``; refuses models whose layers are not full attention."""
+    """A fresh ``DynamicCache`` for ``model``; refuses models with layers tree verification cannot rewind."""
     cache = DynamicCache(config=text_config(model.config))
     check_cache(cache)
     return cache
 
 
-def check_cache(cache) -> None:
-    """Raise :class:`UnsupportedCacheError` unless every layer is a plain full-attention ``DynamicLayer``."""
+def check_cache(cache, types: list[str] | None = None) -> None:
+    """Raise :class:`UnsupportedCacheError` unless every layer is a full-attention ``DynamicLayer`` or a
+    ``DynamicSlidingWindowLayer`` of sliding attention, all sliding layers with the same window."""
     if not isinstance(cache, DynamicCache):
         raise UnsupportedCacheError(
             f"medusa_lite needs a DynamicCache, the model uses {type(cache).__name__}")
+    windows = set()
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not DynamicLayer:
+        kind = types[i] if types is not None and i < len(types) else None
+        if type(layer) not in SUPPORTED_LAYERS or (kind is not None and kind != SUPPORTED_LAYERS[type(layer)]):
+            why = _WHY.get(kind, "a cache layer other than full or sliding-window attention")
             raise UnsupportedCacheError(
-                f"cache layer {i} is a {type(layer).__name__} (sliding-window, recurrent or linear attention): "
-                "tree verification needs to keep an arbitrary subset of the appended tokens, which this layer "
-                "cannot do exactly, so medusa_lite refuses this model rather than change its output")
+                f"cache layer {i} is {kind or 'of type'} {type(layer).__name__!r}: {why}. Tree verification "
+                "feeds every drafted branch through the layer at once and then keeps one path, which this "
+                "layer's state cannot be rolled back to exactly, so medusa_lite refuses this model rather "
+                "than change its output")
+        if layer.is_sliding:
+            windows.add(int(layer.sliding_window))
+    if len(windows) > 1:
+        raise UnsupportedCacheError(f"sliding-window layers with different windows {sorted(windows)}: transformers "
+                                    "takes one mask for all of them")
+
+
+def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: int,
+                        dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The verify pass's attention mask: one 4D additive mask, or ``{layer type: mask}`` when full and
+    sliding layers alternate (what transformers' models with mixed layers accept).
+
+    Full layers: :func:`medusa_lite.tree.attention_bias` (every node sees the whole cache and its
+    ancestors). Sliding layers: :func:`medusa_lite.tree.sliding_attention_bias` over the keys the layer
+    still holds (its ``get_mask_sizes``). A cache without sliding layers takes the full mask alone.
+    The first call turns the sliding layers' past recording on (the verify pass appends a whole tree).
+    """
+    sliding = cache.is_sliding
+    if not any(sliding):
+        return attention_bias(buffers, cache_len, dtype)
+    n = buffers.num_nodes
+    layer = sliding.index(True)
+    if not cache.is_recording_past(layer):
+        # from the first verify pass on (the prefill has already trimmed the layers to their window),
+        # sliding layers keep the tree's keys until keep_accepted crops them
+        cache.activate_past_recording()
+    kv_length, kv_offset = cache.get_mask_sizes(n, layer)
+    if kv_offset + kv_length - n != cache_len:
+        raise RuntimeError(f"sliding layer {layer} holds positions up to {kv_offset + kv_length - n}, "
+                           f"the tree starts at {cache_len}")
+    window = int(cache.layers[layer].sliding_window)
+    masks = {SLIDING: sliding_attention_bias(buffers, cache_len, dtype, window, kv_offset)}
+    if all(sliding):
+        return masks[SLIDING]
+    masks[FULL] = attention_bias(buffers, cache_len, dtype)
+    return masks
 
 
 def keep_accepted(cache: DynamicCache, prefix_len: int, accepted: torch.Tensor) -> None:
     """Keep cache positions ``[0, prefix_len)`` plus ``prefix_len + accepted``; drop every other tree node.
 
     accepted: [a] long node indices in increasing order (root first). Only the accepted entries move:
-    they are copied in place to ``prefix_len .. prefix_len + a`` and the tensors are narrowed (a view).
+    they are copied in place right after the prefix and the tensors are narrowed (a view). A
+    sliding-window layer holds only the last keys of the prefix: its tree starts where those end, and
+    ``crop`` then trims it back to ``window - 1`` keys.
     """
     a = accepted.numel()
-    src = accepted + prefix_len  # [a]
     contiguous = bool(accepted[-1] == a - 1)  # accepted nodes 0..a-1 already sit where they belong
     for layer in cache.layers:
+        if layer.is_sliding:
+            tree = layer.get_seq_length() - prefix_len  # nodes appended by the verify pass
+            start = layer.keys.shape[-2] - tree  # where the tree starts in what the layer holds
+            if not contiguous:
+                src = accepted + start
+                layer.keys[:, :, start:start + a] = layer.keys.index_select(2, src)
+                layer.values[:, :, start:start + a] = layer.values.index_select(2, src)
+            layer.crop(a - tree)  # drop the other nodes; back to window - 1 keys
+            continue
         if not contiguous:
+            src = accepted + prefix_len  # [a]
             layer.keys[:, :, prefix_len:prefix_len + a] = layer.keys.index_select(2, src)
             layer.values[:, :, prefix_len:prefix_len + a] = layer.values.index_select(2, src)
         layer.keys = layer.keys[:, :, :prefix_len + a]
@@ -70,3 +166,5 @@ def extend_cache(cache: DynamicCache, tokens: int, generator: torch.Generator | 
         keys = torch.randn(shape, generator=generator).to(layer.keys)
         values = torch.randn(shape[:3] + [layer.values.shape[3]], generator=generator).to(layer.values)
         cache.update(keys, values, i)
+    if any(cache.is_recording_past(i) for i in range(len(cache.layers))):
+        cache.crop(0)  # sliding layers back to their window

@@ -17,12 +17,11 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from .cache import keep_accepted, new_cache
+from .cache import keep_accepted, new_cache, tree_attention_mask
 from .config import text_config
 from .drafters import Draft, Drafter, DraftState, drafter_features
 from .sampling import build_warpers, target_probs
-from .tree import (DynamicTree, TreeBuffers, attention_bias, buffers_from_parents, build_buffers, lookup_continuation,
-                   merge_chain, truncate)
+from .tree import DynamicTree, TreeBuffers, buffers_from_parents, build_buffers, lookup_continuation, merge_chain, truncate
 from .verify import accept, greedy_choice, sample_choice, sample_walk
 
 
@@ -227,14 +226,15 @@ def verify_forward(target, stats: GenerationStats, cache_arg: dict, tokens: torc
                    cache_len: int, kernels=None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``.
 
-    tokens: [N] node tokens. The cache grows by N entries (compact it with ``cache.keep_accepted``).
+    tokens: [N] node tokens. The cache grows by N entries (compact it with ``cache.keep_accepted``). Sliding-window
+    layers get their own mask (``cache.tree_attention_mask``).
     ``kernels``: a :class:`medusa_lite.kernels.VerifyKernels` (packed GEMM for the sizes where it is faster).
     """
     dtype = target.get_output_embeddings().weight.dtype
     with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         return _forward(target, stats, cache_arg, input_ids=tokens[None],
                         position_ids=(cache_len + buffers.depths)[None],
-                        attention_mask=attention_bias(buffers, cache_len, dtype))
+                        attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype))
 
 
 def context_length(config) -> int | None:

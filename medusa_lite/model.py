@@ -15,6 +15,7 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .cache import check_model
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
 from .fit import AcceptanceTable, HardwareFit, SpeedGuard, fit_trees
 from .drafters import build_drafter, drafter_features
@@ -81,6 +82,7 @@ class MedusaModel(nn.Module):
         lm_head = base_model.get_output_embeddings()
         if lm_head is None:
             raise ValueError(f"{type(base_model).__name__} has no output embeddings: not a causal LM")
+        check_model(base_model)  # recurrent / linear-attention layers: refused here, naming the layer type
         vocab, hidden = lm_head.weight.shape
         for name, value in (("hidden_size", hidden), ("vocab_size", vocab)):
             saved = getattr(config, name)

@@ -324,6 +324,27 @@ def attention_bias(buffers: TreeBuffers, cache_len: int, dtype: torch.dtype) -> 
     return bias[None, None]
 
 
+def sliding_attention_bias(buffers: TreeBuffers, cache_len: int, dtype: torch.dtype, window: int,
+                           kv_start: int = 0) -> torch.Tensor:
+    """Additive 4D mask for a sliding-window layer: node i (position ``cache_len + depth[i]``) sees a
+    cached position p when ``pos(i) - p < window`` and an ancestor j (or itself) when
+    ``depth[i] - depth[j] < window``: the window counted from the node's own position, as
+    transformers' ``sliding_window_overlay`` does for a plain sequence.
+
+    The layer's keys are cache positions ``[kv_start, cache_len)`` (what a sliding layer still holds)
+    followed by the N tree nodes. Returns [1, 1, N, cache_len - kv_start + N] in ``dtype``.
+    """
+    depths = buffers.depths
+    device = depths.device
+    prefix = torch.arange(kv_start, cache_len, device=device)  # [cache_len - kv_start] cached positions
+    see_prefix = (cache_len + depths)[:, None] - prefix[None, :] < window  # [N, P]
+    see_tree = buffers.ancestor_mask & ((depths[:, None] - depths[None, :]) < window)  # [N, N]
+    allowed = torch.cat([see_prefix, see_tree], dim=1)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias[None, None]
+
+
 def expected_length(choices: Choices, accuracies: list[list[float]]) -> float:
     """Expected accepted tokens per step (bonus included) of a tree.
 

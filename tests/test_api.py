@@ -104,13 +104,24 @@ def test_bad_inputs(model, prompt):
         model.generate(prompt, max_new_tokens=5, tree=[[0, 0]])
 
 
-def test_sliding_window_model_is_refused(prompt):
+def test_sliding_window_model_is_exact(prompt):
+    """Sliding-window models were refused before issue #12; now they decode exactly (tests/test_architectures.py)."""
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    model = MedusaModel(MistralForCausalLM(cfg).eval(), MedusaConfig(num_heads=2))
-    with pytest.raises(UnsupportedCacheError, match="sliding-window"):
-        model.generate(prompt, max_new_tokens=5)
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8, initializer_range=0.2)
+    target = MistralForCausalLM(cfg).eval()
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=2)), std=0.5)
+    ref = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=20, do_sample=False), ref)
+
+
+def test_recurrent_model_is_refused_at_construction():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    target = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+    with pytest.raises(UnsupportedCacheError, match="linear_attention"):
+        MedusaModel(target, MedusaConfig(num_heads=2))
 
 
 def test_tree_override_with_higher_ranks(model, prompt):

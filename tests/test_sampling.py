@@ -26,8 +26,26 @@ PROMPT = torch.tensor([[1, 2, 3, 4]])
 TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1]]  # depth 2: acceptance, rejection, bonus all exercised
 
 
-def make_model(head_type: str = "medusa", tree=TREE) -> MedusaModel:
-    target = tiny_model("llama", vocab=VOCAB, init=0.12, layers=1, hidden=32, seed=3)
+# from the support matrix (tests/test_architectures.py): a window shorter than prompt + new tokens
+MATRIX = {"sliding": ("Gemma 2 (alternating)", {"sliding_window": 2}),
+          "moe": ("Mixtral (sliding window, MoE)", {"sliding_window": 3})}
+
+
+def _matrix_target(kind: str):
+    from dataclasses import replace
+
+    from test_architectures import BY_NAME
+
+    name, extra = MATRIX[kind]
+    arch = BY_NAME[name]
+    arch = replace(arch, kwargs={**arch.kwargs, "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                                 "initializer_range": 0.12, **extra})
+    return arch.build(seed=3)
+
+
+def make_model(head_type: str = "medusa", tree=TREE, arch: str = "llama") -> MedusaModel:
+    target = (tiny_model("llama", vocab=VOCAB, init=0.12, layers=1, hidden=32, seed=3) if arch == "llama"
+              else _matrix_target(arch))
     model = MedusaModel(target, MedusaConfig(num_heads=2, tree=tree, head_type=head_type))
     random_heads(model, std=0.3, seed=1)
     return model
@@ -84,8 +102,10 @@ def _support(exact: dict) -> int:
     ({"temperature": 1.0, "top_k": 0}, "lookup"),  # + a prompt-lookup branch merged into the tree
     ({"temperature": 1.0, "top_k": 0, "sampled_drafts": False}, "hydra"),  # the heads' top ranks, one-hot proposals
     ({"temperature": 1.0, "top_k": 0}, "hydra-adaptive"),  # a fitted ladder whose guard moves every step
+    ({"temperature": 1.0, "top_k": 0}, "sliding"),  # Gemma 2: alternating full + sliding (window 2) layers
+    ({"temperature": 1.0, "top_k": 0}, "moe"),  # Mixtral: experts and a sliding window of 3
 ], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup", "T1-hydra-top-ranks",
-        "T1-hydra-adaptive"])
+        "T1-hydra-adaptive", "T1-sliding-gemma2", "T1-moe-mixtral"])
 def test_sampling_matches_target_distribution(gen, heads):
     dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
     if heads == "hydra-adaptive":  # the tree changes between steps (never within one): still exact
@@ -96,6 +116,8 @@ def test_sampling_matches_target_distribution(gen, heads):
         model = make_model("hydra", dynamic)
     elif heads == "lookup":
         model = make_model("medusa", {"tree": TREE, "prompt_lookup": 3, "ngram": 1})
+    elif heads in MATRIX:
+        model = make_model(arch=heads)
     else:
         model = make_model(heads)
     exact = exact_distribution(model, **gen)
@@ -159,9 +181,10 @@ def test_exact_distribution_sums_to_one():
         assert abs(sum(exact_distribution(model, **gen).values()) - 1) < 1e-6
 
 
-def test_sampling_uses_the_tree():
+@pytest.mark.parametrize("arch", ["llama", *MATRIX])
+def test_sampling_uses_the_tree(arch):
     """The distribution test is only meaningful if drafted tokens are accepted and rejected."""
-    model = make_model()
+    model = make_model(arch=arch)
     torch.manual_seed(0)
     steps = []
     for _ in range(200):

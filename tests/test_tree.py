@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from medusa_lite.tree import (attention_bias, build_buffers, chain, expected_length, grow_tree, load_tree,
-                              tree_tokens, validate_choices)
+                              sliding_attention_bias, tree_tokens, validate_choices)
 from medusa_lite.verify import accept
 
 
@@ -32,6 +32,32 @@ def test_attention_bias_sees_cache_and_ancestors():
     allowed = bias[0, 0] == 0
     assert allowed[:, :4].all()
     assert torch.equal(allowed[:, 4:], torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("cache_len, kv_start", [(0, 0), (4, 0), (12, 0), (12, 8)])
+def test_sliding_bias_on_a_chain_is_transformers_sliding_mask(window, cache_len, kv_start):
+    """A chain is a plain sequence: its sliding mask must be transformers' own sliding-window causal mask
+    over the same key positions (kv_start .. cache_len + N)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    b = build_buffers(chain(4))
+    allowed = sliding_attention_bias(b, cache_len, torch.float32, window, kv_start)[0, 0] == 0
+    fn = sliding_window_causal_mask_function(window)
+    q = torch.arange(cache_len, cache_len + 5)[:, None]
+    kv = torch.cat([torch.arange(kv_start, cache_len), torch.arange(cache_len, cache_len + 5)])[None, :]
+    expected = fn(0, 0, q, kv)
+    assert allowed.shape == expected.shape and torch.equal(allowed, expected)
+
+
+def test_sliding_bias_tree_sees_own_window_and_ancestors():
+    b = build_buffers([[0], [1], [0, 0], [0, 0, 0]])  # nodes: root, [0], [1], [0,0], [0,0,0]
+    allowed = sliding_attention_bias(b, cache_len=10, dtype=torch.float32, window=3, kv_start=8)[0, 0] == 0
+    # columns: cache positions 8, 9, then the 5 nodes
+    assert allowed[0].tolist() == [True, True, True, False, False, False, False]  # root (pos 10): 8, 9, itself
+    assert allowed[2].tolist() == [False, True, True, False, True, False, False]  # [1] (pos 11): 9, root, itself
+    assert allowed[3].tolist() == [False, False, True, True, False, True, False]  # [0,0] (pos 12): root, [0]
+    assert allowed[4].tolist() == [False, False, False, True, False, True, True]  # [0,0,0] (pos 13): root gone
 
 
 def test_root_only_tree():
