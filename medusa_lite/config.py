@@ -112,6 +112,11 @@ class MedusaConfig:
         """Build from a dict. Unknown keys raise when ``strict`` (user input) and warn otherwise (saved files)."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        if cls is MedusaConfig and isinstance(data.get("head_type"), str):  # the registered drafter's config class
+            from .drafters import DRAFTERS
+            drafter = DRAFTERS.get(data["head_type"])
+            if drafter is not None and drafter.config_class not in (None, cls):
+                return drafter.config_class.from_dict(data, strict=strict, source=source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown and strict:

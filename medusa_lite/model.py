@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from .cache import check_model
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
 from .fit import AcceptanceTable, HardwareFit, SpeedGuard, fit_trees
-from .drafters import build_drafter, drafter_features
+from .drafters import build_drafter, drafter_class, drafter_features
 from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, StaticTree, context_length,
                        speculative_generate)
 from .sampling import DraftSampler, build_warpers, check_supported
@@ -78,6 +79,9 @@ class MedusaModel(nn.Module):
     def __init__(self, base_model, config: MedusaConfig | None = None, *, freeze: bool = True):
         super().__init__()
         config = config or MedusaConfig()
+        config_class = drafter_class(config.head_type).config_class
+        if config_class is not None and not isinstance(config, config_class):  # e.g. MedusaConfig(head_type="eagle3")
+            config = config_class(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
         cfg = text_config(base_model.config)
         lm_head = base_model.get_output_embeddings()
         if lm_head is None:
@@ -93,6 +97,7 @@ class MedusaModel(nn.Module):
         config.target_fingerprint = config.target_fingerprint or target_fingerprint(base_model)
         self.base_model = base_model
         self.config = config
+        drafter_class(config.head_type).complete_config(config, base_model.config)
         self.drafter = build_drafter(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         self.drafter.attach(base_model)
         self.last_stats: GenerationStats | None = None

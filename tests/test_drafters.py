@@ -7,18 +7,26 @@ import torch
 from conftest import random_heads, tiny_model
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.drafters import DRAFTERS, Drafter, DraftState, drafter_class, register_drafter
-from medusa_lite.tree import DynamicTree, build_buffers
+from medusa_lite.drafters import DRAFTERS, Drafter, DraftState, drafter_class, drafter_features, register_drafter
+from medusa_lite.drafters.base import PathDrafter
+from medusa_lite.tree import DynamicTree, build_buffers, chain
 
 NAMES = sorted(DRAFTERS)
 
 
 def _model(name: str, **config) -> MedusaModel:
-    return random_heads(MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=3, head_type=name, **config)), seed=3)
+    target = tiny_model("llama", layers=4)
+    return random_heads(MedusaModel(target, MedusaConfig(num_heads=3, head_type=name, **config)), std=0.1, seed=3)
+
+
+def _features(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.base_model(input_ids=ids, output_hidden_states=True)
+    return drafter_features(out.hidden_states, model.drafter.hidden_layers)  # [B, T, F]
 
 
 def test_registry_names_and_errors():
-    assert {"medusa", "hydra"} <= set(NAMES)
+    assert {"medusa", "hydra", "eagle3"} <= set(NAMES)
     assert all(issubclass(DRAFTERS[n], Drafter) and DRAFTERS[n].name == n for n in NAMES)
     with pytest.raises(ValueError, match="registered"):
         drafter_class("eagle9")
@@ -32,7 +40,7 @@ def test_propose_commit_batch_rows(name):
     model = _model(name)
     drafter = model.drafter
     ids = [torch.tensor([5, 9, 17]), torch.tensor([3, 4, 8, 21, 30])]
-    hidden = torch.randn(2, 6, 64)
+    hidden = _features(model, torch.tensor([[5, 9, 3, 3, 3, 3], [3, 4, 8, 21, 3, 3]]))  # [2, 6, F]
     state = drafter.start(ids, hidden)
     assert torch.equal(state.hidden[1], hidden[1, 3])  # the last prompt position of row 1
     buffers = build_buffers([[0], [1], [0, 0]])
@@ -40,17 +48,18 @@ def test_propose_commit_batch_rows(name):
     assert len(drafts) == 2
     for draft, row in zip(drafts, ids):
         assert draft.tokens.shape == (4,) and int(draft.tokens[0]) == int(row[-1])  # the root first
-    assert torch.equal(drafts[1].tokens, drafter.propose(DraftState.single(ids[1], hidden[1, 3]), buffers, 8)[0].tokens)
-    verify_hidden = torch.randn(2, 4, 64)
+    alone = drafter.start([ids[1]], hidden[1:])
+    assert torch.equal(drafts[1].tokens, drafter.propose(alone, buffers, 8)[0].tokens)  # rows do not mix
+    verify_hidden = torch.randn(2, 4, hidden.shape[-1])
     drafter.commit(state, [torch.tensor([0, 1]), torch.tensor([0])], verify_hidden,
                    [torch.tensor([5, 9, 17, 40, 41]), torch.tensor([3, 4, 8, 21, 30, 50])])
     assert torch.equal(state.hidden[0], verify_hidden[0, 1]) and torch.equal(state.hidden[1], verify_hidden[1, 0])
     if drafter.dynamic_trees:
-        (grown,) = drafter.propose(DraftState.single(ids[0], hidden[0, 1]), DynamicTree(nodes=5, depth=3), 8)
-        assert grown.buffers.num_nodes == 6
+        grown = drafter.propose(state, DynamicTree(nodes=5, depth=3), 8)
+        assert [g.buffers.num_nodes for g in grown] == [6, 6]
     else:
         with pytest.raises(ValueError, match="dynamic"):
-            drafter.propose(DraftState.single(ids[0], hidden[0, 1]), DynamicTree(nodes=5, depth=3), 8)
+            drafter.propose(state, DynamicTree(nodes=5, depth=3), 8)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -59,16 +68,17 @@ def test_training_forward_loss_and_ranked(name):
     model = _model(name)
     drafter = model.drafter
     ids = torch.randint(0, 128, (2, 12))
+    features = _features(model, ids)
     with torch.no_grad():
-        out = model.base_model(input_ids=ids, output_hidden_states=True)
-    logits = drafter(out.hidden_states[-1], ids)  # [K, B, T, V]
+        teacher = model.base_model(input_ids=ids).logits
+    logits = drafter(features, ids)  # [K, B, T, V]
     assert logits.shape == (3, 2, 12, 128)
-    loss, stats = drafter.loss(logits, out.logits, torch.ones(3, 2, 12), ids)
+    loss, stats = drafter.loss(logits, teacher, torch.ones(3, 2, 12), ids)
     loss.backward()
     assert torch.isfinite(loss) and stats["count"].shape == (3,)
     assert all(p.grad is not None for p in drafter.parameters() if p.requires_grad)
     assert all(p.grad is None for p in model.base_model.parameters())
-    ranked = drafter.ranked(out.hidden_states[-1][0], ids[0], topk=2)  # [K, T, 2]
+    ranked = drafter.ranked(features[0], ids[0], topk=2)  # [K, T, 2]
     assert torch.equal(ranked, logits[:, 0].topk(2, dim=-1).indices)
 
 
@@ -89,3 +99,50 @@ def test_save_load_round_trip_and_export(name, tmp_path, prompt):
     else:
         config, tensors = cls.export_vllm(loaded.config, state, lm_head, torch.float32)
         assert config["architectures"] and tensors
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if issubclass(DRAFTERS[n], PathDrafter)])
+def test_decoding_computes_what_training_scores_on_the_true_path(name):
+    """Training's teacher-forced logits (step k at t) = decoding's logits at depth k along the true path from the
+    state after position t: the training unroll and the decoding cache see the same inputs, positions, attention."""
+    model = _model(name)
+    drafter = model.drafter
+    ids = model.base_model.generate(torch.tensor([[1, 7, 30, 12, 4]]), max_new_tokens=14, do_sample=False)[0]
+    features = _features(model, ids[None])[0]  # [T, F]
+    with torch.no_grad():
+        trained = drafter(features[None], ids[None])[:, 0]  # [K, T, V']
+    for t in range(2, ids.numel() - 4):
+        state = drafter.start([ids[: t + 2]], features[None, : t + 1])  # accepted up to t, root = ids[t + 1]
+        ctx = drafter.begin(state.hidden[0], state.ids[0], None if state.cache is None else state.cache[0])
+        parents = [-1]
+        with torch.no_grad():
+            for k in range(drafter.config.num_heads):
+                nodes = [k]  # the chain node of depth k holds the true token ids[t + 1 + k]
+                logits = drafter.advance(ctx, k, torch.zeros(1, dtype=torch.long), ids[t + 1 + k: t + 2 + k], nodes,
+                                         parents)
+                parents.append(k)
+                torch.testing.assert_close(logits[0], trained[k, t], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_export_has_exactly_the_names_shapes_and_dtypes_vllm_loads():
+    """vLLM's llama_eagle3.py: midlayer.* (q/k/v read 2H), fc [H, 3H], norm, lm_head [V', H], d2t (long offsets:
+    target id = i + d2t[i]), t2d (bool over the target vocabulary); config Eagle3LlamaForCausalLM."""
+    model = _model("eagle3", draft_vocab_size=40)
+    model.drafter.draft_ids.copy_(torch.arange(40) * 3)
+    h, heads, kv, d, inter = 64, 4, 2, 16, 128
+    config, tensors = DRAFTERS["eagle3"].export_vllm(model.config, model.drafter.state_dict(), None, torch.bfloat16)
+    shapes = {"fc.weight": (h, 3 * h), "midlayer.self_attn.q_proj.weight": (heads * d, 2 * h),
+              "midlayer.self_attn.k_proj.weight": (kv * d, 2 * h), "midlayer.self_attn.v_proj.weight": (kv * d, 2 * h),
+              "midlayer.self_attn.o_proj.weight": (h, heads * d), "midlayer.mlp.gate_proj.weight": (inter, h),
+              "midlayer.mlp.up_proj.weight": (inter, h), "midlayer.mlp.down_proj.weight": (h, inter),
+              "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+              "midlayer.post_attention_layernorm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (40, h),
+              "d2t": (40,), "t2d": (128,)}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert all(v.dtype == torch.bfloat16 for k, v in tensors.items() if k not in ("d2t", "t2d"))
+    assert torch.equal(tensors["d2t"] + torch.arange(40), torch.arange(40) * 3) and int(tensors["t2d"].sum()) == 40
+    assert config["architectures"] == ["Eagle3LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == 40 and config["target_hidden_size"] == h and config["vocab_size"] == 128
+    assert config["eagle_aux_hidden_state_layer_ids"] == model.config.aux_layers
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == model.config.aux_layers

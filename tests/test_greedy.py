@@ -156,3 +156,57 @@ def test_prompt_lookup_branch_is_exact_and_used(arch):
     repeats = ref[0, 48:].tolist()[:8] == [5, 6, 7, 8, 9, 10, 11, 12]
     if repeats:  # the target continues the pattern: lookup must pay off
         assert model.last_stats.mean_accepted_tokens > plain_tree.last_stats.mean_accepted_tokens
+
+
+def _memorize(model: MedusaModel, sequence: torch.Tensor, steps: int = 150) -> MedusaModel:
+    """Train the drafter on one sequence (the target's own continuation) until it drafts it: whole chunks then
+    get accepted, so EOS and max_new_tokens land inside accepted chunks."""
+    from medusa_lite.drafters import drafter_features
+
+    ids = sequence[None]
+    with torch.no_grad():
+        out = model.base_model(input_ids=ids, output_hidden_states=True)
+    features = drafter_features(out.hidden_states, model.drafter.hidden_layers)
+    weights = torch.ones(model.config.num_heads, 1, ids.shape[1])
+    optimizer = torch.optim.Adam(model.drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss, _ = model.drafter.loss(model.drafter(features, ids), out.logits, weights, ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+EAGLE3_TREES = {"chain": chain(4), "default": DEFAULT_TREE, "dynamic": {"dynamic": {"nodes": 10, "depth": 4}},
+                "default+lookup": {"tree": DEFAULT_TREE, "prompt_lookup": 6}}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("tree", list(EAGLE3_TREES))
+@pytest.mark.parametrize("weights", ["fresh", "memorized"])
+def test_greedy_equals_plain_eagle3(arch, tree, weights, prompt):
+    """An EAGLE-3 drafter (its own decoder layer and KV cache over three target layers): plain decoding's tokens."""
+    target = tiny_model(arch, layers=4)
+    ref = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    model = MedusaModel(target, MedusaConfig(num_heads=4, head_type="eagle3", tree=EAGLE3_TREES[tree]))
+    if weights == "memorized":
+        _memorize(model, ref[0])
+    assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False, fit=False), ref)
+    if weights == "memorized" and tree == "chain":
+        assert model.last_stats.mean_accepted_tokens > 2.5  # the drafter's cache follows the accepted path
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7, 13])
+def test_eagle3_eos_and_max_new_tokens_inside_a_chunk(max_new, prompt):
+    target = tiny_model("llama", layers=4)
+    free = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    model = _memorize(MedusaModel(target, MedusaConfig(num_heads=4, head_type="eagle3", tree=chain(4))), free[0])
+    ref = target.generate(prompt, max_new_tokens=max_new, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=max_new, do_sample=False, fit=False), ref)
+    eos = int(free[0, prompt.shape[1] + 9])  # the 10th generated token becomes EOS
+    target.generation_config.eos_token_id = eos
+    ref = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, fit=False)
+    target.generation_config.eos_token_id = None
+    assert torch.equal(out, ref) and int(out[0, -1]) == eos
+    assert max(model.last_stats.tokens_per_step) > 1

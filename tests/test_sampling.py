@@ -104,8 +104,9 @@ def _support(exact: dict) -> int:
     ({"temperature": 1.0, "top_k": 0}, "hydra-adaptive"),  # a fitted ladder whose guard moves every step
     ({"temperature": 1.0, "top_k": 0}, "sliding"),  # Gemma 2: alternating full + sliding (window 2) layers
     ({"temperature": 1.0, "top_k": 0}, "moe"),  # Mixtral: experts and a sliding window of 3
+    ({"temperature": 1.0, "top_k": 0}, "eagle3"),  # EAGLE-3: drafts drawn from its own layer, its own KV cache
 ], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup", "T1-hydra-top-ranks",
-        "T1-hydra-adaptive", "T1-sliding-gemma2", "T1-moe-mixtral"])
+        "T1-hydra-adaptive", "T1-sliding-gemma2", "T1-moe-mixtral", "T1-eagle3"])
 def test_sampling_matches_target_distribution(gen, heads):
     dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
     if heads == "hydra-adaptive":  # the tree changes between steps (never within one): still exact
@@ -181,10 +182,11 @@ def test_exact_distribution_sums_to_one():
         assert abs(sum(exact_distribution(model, **gen).values()) - 1) < 1e-6
 
 
-@pytest.mark.parametrize("arch", ["llama", *MATRIX])
-def test_sampling_uses_the_tree(arch):
+@pytest.mark.parametrize("arch, heads", [("llama", "medusa"), *((kind, "medusa") for kind in MATRIX),
+                                         ("llama", "eagle3")])
+def test_sampling_uses_the_tree(arch, heads):
     """The distribution test is only meaningful if drafted tokens are accepted and rejected."""
-    model = make_model(arch=arch)
+    model = make_model(heads, arch=arch)
     torch.manual_seed(0)
     steps = []
     for _ in range(200):

@@ -291,6 +291,33 @@ def test_hydra_heads_with_draft_vocab_train_and_decode(material, tmp_path):
     _greedy_equal(material["target"], heads)
 
 
+@pytest.mark.parametrize("cache_features", [True, False])
+def test_eagle3_trains_through_the_same_entry_point_and_decodes(material, tmp_path, cache_features):
+    """An EAGLE-3 drafter: three target layers cached (or run live), training-time test over num_heads steps,
+    a 40-token draft vocabulary; it learns, it saves, it decodes exactly, and it exports to vLLM's layout."""
+    out = main([f"target={material['target']}", f"data={material['data']}", "precision=fp32", "head_type=eagle3",
+                "num_heads=3", "draft_vocab=40", "seq_len=32", "max_steps=30", "lr=3e-3", "warmup_steps=2",
+                "log_every=5", "eval_samples=4", "progress=false", f"cache_features={cache_features}",
+                f"output_dir={tmp_path}"])
+    heads = Path(out["heads_dir"])
+    conf = json.loads((heads / "medusa_config.json").read_text())
+    assert conf["head_type"] == "eagle3" and conf["draft_vocab_size"] == 40 and len(conf["aux_layers"]) == 3
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert all(last < first for first, last in zip(log[0]["loss"], log[-1]["loss"]))  # every unrolled step learns
+    if cache_features:
+        features = load_file(str(tmp_path / "features" / "train.safetensors"))
+        assert features["layers"].tolist() == [*conf["aux_layers"], -1]  # three layers + the teacher's input
+    assert "EAGLE-3" in (heads / "README.md").read_text()
+    _greedy_equal(material["target"], heads)
+    from medusa_lite.train.export_vllm import main as export_main
+
+    export_main([str(heads), str(tmp_path / "vllm"), "--target", str(material["target"]), "--dtype", "bf16"])
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3LlamaForCausalLM"] and config["draft_vocab_size"] == 40
+    tensors = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    assert torch.equal(tensors["d2t"] + torch.arange(40), load_file(str(heads / "heads.safetensors"))["draft_ids"])
+
+
 # ------------------------------------------------------------------------------------------- export
 def test_export_vllm_key_names_and_config(material, tmp_path):
     from medusa_lite import MedusaConfig, MedusaModel

@@ -41,10 +41,10 @@ class TrainConfig:
     target: str | None = option(None, "HF directory or .gguf file; none: the bundled default target")
     adapter: str | None = option(None, "PEFT (LoRA) adapter directory, merged into the target")
     # heads
-    head_type: Literal["medusa", "hydra"] = option("medusa", "medusa: heads read h_t only; hydra: heads also "
-                                                   "read the drafted path")
-    num_heads: int = option(4, "draft heads (positions proposed beyond the target's next token)")
-    num_layers: int = option(1, "ResBlocks per head")
+    head_type: str = option("medusa", "the registered drafter: medusa (heads read h_t only), hydra (heads also read "
+                                      "the drafted path), eagle3 (one decoder layer over three target layers)")
+    num_heads: int = option(4, "draft depth: heads, or eagle3's steps unrolled in training (training-time test)")
+    num_layers: int = option(1, "ResBlocks per head (medusa, hydra)")
     share_lm_head: bool = option(True, "heads project with the frozen target lm_head (else one lm_head each)")
     # data
     data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"})")
@@ -83,7 +83,9 @@ class TrainConfig:
     progress: bool = option(True, "tqdm progress bars")
 
     def __post_init__(self) -> None:
-        for name, allowed in (("loss", ("kl", "ce")), ("head_type", ("medusa", "hydra")),
+        from medusa_lite.drafters import DRAFTERS
+
+        for name, allowed in (("loss", ("kl", "ce")), ("head_type", tuple(sorted(DRAFTERS))),
                               ("precision", ("auto", "bf16", "fp32"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -206,18 +208,36 @@ def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D
     return train_data, eval_data, summary
 
 
+def feature_layers(drafter) -> tuple[int, ...]:
+    """The target hidden states training reads: the drafter's, then the final-norm states (the teacher's input)
+    unless the drafter reads them already."""
+    layers = tuple(drafter.hidden_layers)
+    return layers if -1 in layers else layers + (-1,)
+
+
+def split_features(features: torch.Tensor, drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., len(feature_layers) * H] -> (the drafter's features [..., F], the final-norm states [..., H])."""
+    layers = feature_layers(drafter)
+    h = features.shape[-1] // len(layers)
+    final = layers.index(-1)
+    return features[..., : len(drafter.hidden_layers) * h], features[..., final * h: (final + 1) * h]
+
+
 @torch.no_grad()
-def target_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T] ids -> [B, T, H] final-norm hidden states (what the target's lm_head reads)."""
+def target_features(target, input_ids: torch.Tensor, layers: tuple[int, ...],
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T] ids -> [B, T, len(layers) * H] the target's hidden states of ``layers``, concatenated."""
+    from medusa_lite.drafters import drafter_features
+
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                  return_dict=True, logits_to_keep=1)
-    return out.hidden_states[-1]
+    return drafter_features(out.hidden_states, layers)
 
 
 @torch.no_grad()
-def compute_features(target, data: D.TokenData, rt: Runtime, *, tokens_per_batch: int = 4096,
-                     desc: str = "features", progress: bool = True) -> torch.Tensor:
-    """Final-norm hidden states [N, H] (bf16) of every document, each run with its own full context.
+def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, ...] = (-1,), *,
+                     tokens_per_batch: int = 4096, desc: str = "features", progress: bool = True) -> torch.Tensor:
+    """Hidden states of ``layers`` [N, len(layers) * H] (bf16) of every document, each run with its own full context.
 
     Documents are length-bucketed (sorted) into batches of about ``tokens_per_batch`` tokens; with
     several ranks each computes a share and the shares are all-gathered.
@@ -227,7 +247,8 @@ def compute_features(target, data: D.TokenData, rt: Runtime, *, tokens_per_batch
     slices = data.doc_slices()
     mine = list(range(rt.rank, len(slices), rt.world))
     mine.sort(key=lambda i: slices[i][1] - slices[i][0])
-    hidden = torch.zeros(int(data.ids.numel()), target.config.get_text_config().hidden_size, dtype=torch.bfloat16)
+    hidden = torch.zeros(int(data.ids.numel()), len(layers) * target.config.get_text_config().hidden_size,
+                         dtype=torch.bfloat16)
     bar = tqdm(total=sum(slices[i][1] - slices[i][0] for i in mine), desc=desc, unit="tok",
                disable=not (progress and rt.rank == 0), mininterval=5)
     i = 0
@@ -248,7 +269,7 @@ def compute_features(target, data: D.TokenData, rt: Runtime, *, tokens_per_batch
             s, e = slices[d]
             ids[row, : e - s] = data.ids[s:e]
             mask[row, : e - s] = 1
-        h = target_hidden(target, ids.to(rt.device), mask.to(rt.device)).to("cpu", torch.bfloat16)
+        h = target_features(target, ids.to(rt.device), layers, mask.to(rt.device)).to("cpu", torch.bfloat16)
         for row, d in enumerate(batch):
             s, e = slices[d]
             hidden[s:e] = h[row, : e - s]
@@ -261,23 +282,26 @@ def compute_features(target, data: D.TokenData, rt: Runtime, *, tokens_per_batch
     return hidden
 
 
-def cached_features(cfg: TrainConfig, target, data: D.TokenData, rt: Runtime, name: str) -> torch.Tensor:
-    """:func:`compute_features`, stored in ``output_dir/features`` so a resumed run reuses them."""
+def cached_features(cfg: TrainConfig, model, data: D.TokenData, rt: Runtime, name: str) -> torch.Tensor:
+    """:func:`compute_features` of the layers training reads, stored in ``output_dir/features`` so a resumed run
+    reuses them."""
     from safetensors.torch import load_file, save_file
 
+    layers = torch.tensor(feature_layers(model.drafter))
     path = Path(cfg.output_dir) / "features" / f"{name}.safetensors"
     if path.is_file():
         state = load_file(str(path))
-        if torch.equal(state["ids"], data.ids):
+        if torch.equal(state["ids"], data.ids) and torch.equal(state.get("layers", torch.tensor([-1])), layers):
             log0(rt, f"features: reusing {path}")
             return state["hidden"]
     t0 = time.time()
-    hidden = compute_features(target, data, rt, desc=f"features[{name}]", progress=cfg.progress)
+    hidden = compute_features(model.base_model, data, rt, tuple(layers.tolist()), desc=f"features[{name}]",
+                              progress=cfg.progress)
     log0(rt, f"features[{name}]: {hidden.shape[0]} tokens in {time.time() - t0:.0f}s "
              f"({hidden.shape[0] / (time.time() - t0):.0f} tok/s)")
     if rt.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"hidden": hidden.contiguous(), "ids": data.ids}, str(path))
+        save_file({"hidden": hidden.contiguous(), "ids": data.ids, "layers": layers}, str(path))
     barrier(rt)
     return hidden
 
@@ -307,6 +331,7 @@ def training_projection(cfg: TrainConfig, model, data: D.TokenData) -> torch.nn.
     counts = torch.bincount(data.ids[data.mask.bool()], minlength=lm_head.weight.shape[0])
     keep = counts.topk(cfg.draft_vocab).indices.sort().values                  # [V']
     model.drafter.draft_ids.copy_(keep.to(model.drafter.draft_ids.device))
+    model.drafter.vocabulary_changed()
     proj = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=lm_head.bias is not None,
                            device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     with torch.no_grad():
@@ -410,19 +435,22 @@ class Batches:
 
 def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torch.Tensor | None,
                   starts: torch.Tensor, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden [B, T, H], teacher logits [B, T, V], weights [K, B, T], ids [B, T]) for windows at ``starts``."""
+    """(drafter features [B, T, F], teacher logits [B, T, V'], weights [K, B, T], ids [B, T]) for windows at
+    ``starts``."""
     ids = D.gather_windows(data.ids, starts, cfg.seq_len).to(rt.device)           # [B, T]
     weights = D.window_weights(data.mask, data.segments, starts, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
                                total=int(data.ids.numel())).to(rt.device)         # [K, B, T]
     lm_head = model.base_model.get_output_embeddings()
     with torch.no_grad(), autocast(cfg, rt):
         if hidden is not None:
-            h = D.gather_windows(hidden, starts, cfg.seq_len).to(rt.device)       # [B, T, H] cached
-            teacher = proj(h.to(proj.weight.dtype))                                # [B, T, V]
-        else:  # the target forward: its hidden states feed the heads, its logits are the teacher
+            h, final = split_features(D.gather_windows(hidden, starts, cfg.seq_len).to(rt.device), model.drafter)
+            teacher = proj(final.to(proj.weight.dtype))                            # [B, T, V'] from the cache
+        else:  # the target forward: its hidden states feed the drafter, its logits are the teacher
+            from medusa_lite.drafters import drafter_features
+
             out = model.base_model(input_ids=ids, output_hidden_states=True, return_dict=True)
-            h = out.hidden_states[-1]
-            teacher = out.logits if proj is lm_head else proj(h)
+            h = drafter_features(out.hidden_states, model.drafter.hidden_layers)
+            teacher = out.logits if proj is lm_head else proj(out.hidden_states[-1])
     return h, teacher, weights, ids
 
 
@@ -595,10 +623,15 @@ def model_card(p: dict[str, Any]) -> str:
     vocab = (f"; the heads propose from the {cfg['draft_vocab']} most frequent trained tokens "
              f"({p.get('draft_vocab_coverage', 0):.4f} of trained tokens; `draft_ids` in the weights), in training "
              "and decoding") if cfg.get("draft_vocab") else ""
-    kind = {"medusa": "Medusa", "hydra": "Hydra (sequentially dependent)"}[cfg.get("head_type", "medusa")]
+    head_type = cfg.get("head_type", "medusa")
+    shape = {"medusa": f"{p['num_heads']} Medusa heads ({p['num_layers']} ResBlock each, {lm_head})",
+             "hydra": f"{p['num_heads']} Hydra (sequentially dependent) heads ({p['num_layers']} ResBlock each, "
+                      f"{lm_head})",
+             "eagle3": f"An EAGLE-3 drafter (one decoder layer over three target layers, its own lm_head; "
+                       f"{p['num_heads']} steps unrolled in training)"}.get(head_type, f"A {head_type} drafter")
     return f"""# Draft heads for {p['base_model']}
 
-{p['num_heads']} {kind} heads ({p['num_layers']} ResBlock each, {lm_head}) trained by medusa_lite
+{shape} trained by medusa_lite
 {p['library_version']} with `{p['loss']}` self-distillation on the frozen target{vocab}.
 
 - data: `{data['data']}` ({data['train_docs']} training documents, {data['train_tokens']} tokens of which
@@ -613,7 +646,7 @@ def model_card(p: dict[str, Any]) -> str:
 
 Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)} assistant positions of
 held-out documents; the heads ranking the vocabulary they decode with): head k proposes the token k
-positions after the target's own next token{', reading the true tokens before it' if cfg.get('head_type') == 'hydra' else ''}.
+positions after the target's own next token{', reading the true tokens before it' if head_type != 'medusa' else ''}.
 
 | head | top-1 | top-5 |
 |---:|---:|---:|
@@ -642,8 +675,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # --- build
     model, tokenizer = build_model(cfg, rt)
     train_data, eval_data, data_summary = build_data(cfg, tokenizer, rt)
-    train_hidden = cached_features(cfg, model.base_model, train_data, rt, "train") if cfg.cache_features else None
-    eval_hidden = cached_features(cfg, model.base_model, eval_data, rt, "eval") \
+    train_hidden = cached_features(cfg, model, train_data, rt, "train") if cfg.cache_features else None
+    eval_hidden = cached_features(cfg, model, eval_data, rt, "eval") \
         if cfg.cache_features and eval_data else None
     proj = training_projection(cfg, model, train_data)
     if proj is not model.base_model.get_output_embeddings():

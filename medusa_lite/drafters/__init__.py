@@ -3,7 +3,7 @@
 
 >>> from medusa_lite.drafters import DRAFTERS, build_drafter
 >>> sorted(DRAFTERS)
-['hydra', 'medusa']
+['eagle3', 'hydra', 'medusa']
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def build_drafter(config) -> Drafter:
     return drafter_class(config.head_type)(config)
 
 
-from . import heads  # noqa: E402,F401  (registers medusa and hydra)
+from . import eagle3, heads  # noqa: E402,F401  (registers medusa, hydra and eagle3)
 
 __all__ = ["DRAFTERS", "Draft", "DraftState", "Drafter", "TreeShape", "build_drafter", "drafter_class", "drafter_features",
            "register_drafter"]

@@ -41,7 +41,8 @@ class DraftState:
 
     ids: per row, every token so far [L_b], ending in the root (the target's next token, not yet in its cache).
     hidden: [B, F] the target features (``hidden_layers``) at each row's last accepted position.
-    cache: a stateful drafter's own (e.g. its KV cache); None for heads that read the target state only.
+    cache: a stateful drafter's own, one entry per row (e.g. its KV cache); None for heads that read the target
+    state only.
     """
 
     ids: list[torch.Tensor]
@@ -62,6 +63,7 @@ class Drafter(nn.Module):
     """Base of every registered drafter; see the module docstring for the contract."""
 
     name: ClassVar[str]
+    config_class: ClassVar[type] = None  # None: MedusaConfig (the heads' shape fields are enough)
     hidden_layers: ClassVar[tuple[int, ...]] = (-1,)
     dynamic_trees: ClassVar[bool] = False  # can grow its own tree each step (EAGLE-2 expansion)
     vllm_refusal: ClassVar[str | None] = None  # why vLLM cannot run it (None: export_vllm is implemented)
@@ -70,10 +72,17 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = config
 
+    @classmethod
+    def complete_config(cls, config, target_config) -> None:
+        """Fill the config's shape fields the user left None from the target's config (before building)."""
+
     # ------------------------------------------------------------------ the frozen target
     def attach(self, target) -> None:
         """Reference the frozen target's output projection and input embeddings (not submodules: not saved)."""
         self.__dict__["_target_io"] = (target.get_output_embeddings(), target.get_input_embeddings())
+
+    def vocabulary_changed(self) -> None:
+        """``draft_ids`` were set (training picks the draft vocabulary): re-derive what depends on them."""
 
     @property
     def target_lm_head(self) -> nn.Module:
@@ -93,8 +102,8 @@ class Drafter(nn.Module):
         """One :class:`Draft` per row: a static tree's tokens (``shape``: its buffers, capped at ``max_depth``
         by the caller) or a tree grown within the budget ``shape`` (a :class:`DynamicTree`), no deeper
         than ``max_depth``. With a ``sampler`` tokens are drawn from the drafter's distribution."""
-        return [self.draft_row(state.hidden[b], ids, shape, max_depth, sampler, state.cache)
-                for b, ids in enumerate(state.ids)]
+        return [self.draft_row(state.hidden[b], ids, shape, max_depth, sampler,
+                               None if state.cache is None else state.cache[b]) for b, ids in enumerate(state.ids)]
 
     def draft_row(self, hidden: torch.Tensor, ids: torch.Tensor, shape: TreeShape, max_depth: int, sampler=None,
                   cache=None) -> Draft:

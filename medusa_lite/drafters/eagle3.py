@@ -1,0 +1,331 @@
+"""An EAGLE-3 drafter (arXiv:2503.01840) attached to the frozen target.
+
+It reads three of the target's hidden states (low, middle, high layers; ``aux_layers``, vLLM's
+``eagle_aux_hidden_state_layer_ids``), fuses them with one linear layer (``fc``) and runs one decoder layer
+of its own (``midlayer``: RoPE attention over its own KV cache, SwiGLU MLP, RMS norms) on
+``[input_layernorm(e(x_{t+1})) ; hidden_norm(g_t)]``, then ``norm`` and its own ``lm_head`` over a reduced
+draft vocabulary (``draft_ids``, vLLM's ``d2t``). Drafting deeper than one token feeds its own pre-norm output
+back in place of the fused target state. Tensor names are vLLM's ``llama_eagle3.py`` names, so the export only
+renames ``draft_ids``.
+
+Positions: the drafter entry for target position p is computed from (g_p, e(x_{p+1})) at RoPE position p and
+predicts x_{p+2}; a tree node at depth d >= 1 (its token x at position P + d, P the cache length) is expanded
+from its parent's output at RoPE position P - 1 + d and sees the prefix entries, its ancestors' and its own.
+Training unrolls the same K steps ("training-time test"): step k at window position t reads step k - 1's output,
+the data token at t + 1 + k, and attends to step 0 at positions <= t and to steps 1..k at t only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MedusaConfig, text_config
+from . import register_drafter
+from .base import DraftState, PathDrafter
+from .heads import heads_loss
+
+
+@dataclass
+class Eagle3Config(MedusaConfig):
+    """An EAGLE-3 drafter's shape. ``num_heads`` is the deepest draft (and the steps unrolled in training);
+    ``None`` fields are filled from the target when the drafter is attached."""
+
+    head_type: str = "eagle3"
+    aux_layers: list[int] | None = None    # target hidden_states indices read (None: 2, L // 2, L - 3)
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    rms_norm_eps: float | None = None
+    rope_theta: float | None = None
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout): x [..., T, heads, D], positions [..., T] -> same shape."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)   # [D/2]
+    angles = positions.to(torch.float32)[..., None] * inv_freq                                      # [..., T, D/2]
+    cos = torch.cat([angles.cos()] * 2, -1)[..., None, :].to(x.dtype)                              # [..., T, 1, D]
+    sin = torch.cat([angles.sin()] * 2, -1)[..., None, :].to(x.dtype)
+    half = d // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention whose q/k/v read the 2H-wide ``[embeds ; hidden]`` input."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, theta: float):
+        """x [..., T, 2H] -> q [..., T, heads, D], k, v [..., T, kv_heads, D] (q, k rotated)."""
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        return rope(q, positions, theta), rope(k, positions, theta), v
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """vLLM's EAGLE-3 ``midlayer``: attention over ``[input_layernorm(embeds) ; hidden_norm(hidden)]``, residual
+    on ``hidden``, then ``post_attention_layernorm`` and the MLP. Returns the pre-norm output."""
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(h, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.mlp = MLP(h, config.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(h, eps=eps)
+        self.hidden_norm = nn.RMSNorm(h, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
+
+    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [..., 2H]
+
+    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """attn [..., heads * D] (before o_proj), the layer's hidden input -> pre-norm output [..., H]."""
+        h = self.self_attn.o_proj(attn) + hidden
+        return self.mlp(self.post_attention_layernorm(h)) + h
+
+
+@dataclass
+class RowCache:
+    """One row's drafter KV cache over the accepted prefix: keys, values [kv_heads, P, D]; the pre-norm output
+    at the last prefix position (whose logits propose the depth-1 tokens)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    last: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """q [M, heads, D], keys / values [kv_heads, S, D], allowed [M, S] bool -> [M, heads * D]."""
+    group = q.shape[1] // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0)                      # [heads, S, D]
+    v = values.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=allowed[None])  # [heads, M, D]
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@register_drafter
+class Eagle3Drafter(PathDrafter):
+    name = "eagle3"
+    config_class = Eagle3Config
+
+    @classmethod
+    def complete_config(cls, config: Eagle3Config, target_config) -> None:
+        """Fill the shape fields left None from the target's (text) config."""
+        cfg = text_config(target_config)
+        layers = cfg.num_hidden_layers
+        defaults = {"aux_layers": [2, layers // 2, layers - 3] if layers >= 6 else [1, max(layers // 2, 1), layers],
+                    "num_attention_heads": cfg.num_attention_heads,
+                    "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                    "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                    "intermediate_size": getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size,
+                    "rms_norm_eps": getattr(cfg, "rms_norm_eps", None) or 1e-6,
+                    "rope_theta": _rope_theta(cfg)}
+        for name, value in defaults.items():
+            if getattr(config, name, None) is None:
+                setattr(config, name, value)
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.aux_layers) * h, h, bias=False)
+        self.midlayer = DecoderLayer(config)
+        self.norm = nn.RMSNorm(h, eps=config.rms_norm_eps)
+        vocab = config.draft_vocab_size or config.vocab_size
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+        if config.draft_vocab_size is not None:
+            self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size, dtype=torch.long))
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.aux_layers)
+
+    def attach(self, target) -> None:
+        super().attach(target)
+        self.init_lm_head()
+
+    def vocabulary_changed(self) -> None:
+        self.init_lm_head()
+
+    @torch.no_grad()
+    def init_lm_head(self) -> None:
+        """Start the draft lm_head as the target's rows for ``draft_ids`` (training's starting point; trained
+        weights overwrite it on load)."""
+        weight = self.target_lm_head.weight
+        ids = getattr(self, "draft_ids", None)
+        self.lm_head.weight.copy_(weight if ids is None else weight[ids.to(weight.device)])
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(prenorm))
+
+    # ------------------------------------------------------------------ training
+    def forward(self, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Training-time test: features [B, T, 3H] (the aux layers), ids [B, T] -> logits [K, B, T, V'], step k at
+        t scoring the token at t + 2 + k (the heads' convention, so :func:`heads_loss` applies)."""
+        cfg, layer = self.config, self.midlayer
+        b, t, _ = features.shape
+        hidden = self.fc(features)                                          # [B, T, H]
+        emb = self.target_embed(ids)                                        # [B, T, H]
+        base = torch.arange(t, device=ids.device).expand(b, t)              # [B, T]
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        keys0 = values0 = None
+        own_keys, own_values, out = [], [], []
+        for k in range(cfg.num_heads):
+            follow = torch.zeros_like(emb)
+            follow[:, : t - 1 - k] = emb[:, 1 + k:]                         # the data token at t + 1 + k
+            q, kk, v = layer.self_attn.qkv(layer.inputs(follow, hidden), base + k, cfg.rope_theta)  # [B, T, h, D]
+            q = q.transpose(1, 2)                                           # [B, heads, T, D]
+            kk = kk.transpose(1, 2).repeat_interleave(group, dim=1)         # [B, heads, T, D]
+            v = v.transpose(1, 2).repeat_interleave(group, dim=1)
+            if k == 0:
+                keys0, values0 = kk, v
+            else:
+                own_keys.append(kk)
+                own_values.append(v)
+            scores = (q @ keys0.transpose(-1, -2)) * scale                  # [B, heads, T, T]
+            scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+            diag = [((q * key).sum(-1) * scale)[..., None] for key in own_keys]  # each [B, heads, T, 1]
+            probs = torch.softmax(torch.cat([scores, *diag], dim=-1).float(), dim=-1).to(q.dtype)
+            attn = probs[..., :t] @ values0                                 # [B, heads, T, D]
+            for j, value in enumerate(own_values):
+                attn = attn + probs[..., t + j: t + j + 1] * value
+            attn = attn.transpose(1, 2).reshape(b, t, -1)                   # [B, T, heads * D]
+            hidden = layer.finish(attn, hidden)                             # [B, T, H] pre-norm
+            out.append(self.logits(hidden))
+        return torch.stack(out)                                             # [K, B, T, V']
+
+    def loss(self, logits, teacher, weights, ids, *, loss="kl", decay=0.8):
+        return heads_loss(logits, teacher, weights, ids, loss=loss, decay=decay)
+
+    @torch.no_grad()
+    def ranked(self, hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+        return self.token_ids(self(hidden[None], ids[None])[:, 0].topk(topk, dim=-1).indices)
+
+    # ------------------------------------------------------------------ decoding
+    def start(self, ids: list[torch.Tensor], hidden: torch.Tensor) -> DraftState:
+        """Prefill the drafter's cache over each row's prompt (features [B, L, 3H], tokens after each position)."""
+        state = super().start(ids, hidden)
+        state.cache = [self._extend(None, hidden[b, : row.numel() - 1], row[1:]) for b, row in enumerate(ids)]
+        return state
+
+    def commit(self, state: DraftState, accepted, hidden, ids) -> None:
+        """Extend each row's cache over its accepted positions (their target features, the tokens after them)."""
+        for b, (nodes, row) in enumerate(zip(accepted, ids)):
+            cache = state.cache[b]
+            tokens = row[cache.length + 1: cache.length + 1 + nodes.numel()]
+            state.cache[b] = self._extend(cache, hidden[b, nodes.to(hidden.device)], tokens)
+        super().commit(state, accepted, hidden, ids)
+
+    def _extend(self, cache: RowCache | None, features: torch.Tensor, tokens: torch.Tensor) -> RowCache:
+        """Entries for the next n positions: features [n, 3H] of the target there, tokens [n] that follow them."""
+        cfg, layer = self.config, self.midlayer
+        start = 0 if cache is None else cache.length
+        n = tokens.numel()
+        positions = torch.arange(start, start + n, device=tokens.device)
+        hidden = self.fc(features.to(self.fc.weight.dtype))
+        q, k, v = layer.self_attn.qkv(layer.inputs(self.target_embed(tokens), hidden), positions, cfg.rope_theta)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)                          # [kv_heads, n, D]
+        if cache is not None:
+            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
+        allowed = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device).tril(start)
+        out = layer.finish(_attend(q, k, v, allowed), hidden)              # [n, H]
+        return RowCache(k, v, out[-1])
+
+    def begin(self, hidden, ids, cache):
+        if cache is None:
+            raise ValueError("an eagle3 drafter drafts from its own cache: build the state with start()")
+        return {"cache": cache, "keys": [], "values": [], "entry": {}, "state": None}
+
+    def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
+        cache: RowCache = ctx["cache"]
+        if depth == 0:  # the root's children come from the last prefix entry, which already read the root
+            ctx["state"] = cache.last[None]
+            return self.logits(ctx["state"])
+        cfg, layer = self.config, self.midlayer
+        m = tokens.numel()
+        parent_state = ctx["state"][parent_rows]                            # [M, H]
+        positions = torch.full((m,), cache.length - 1 + depth, device=tokens.device)
+        q, k, v = layer.self_attn.qkv(layer.inputs(self.target_embed(tokens), parent_state), positions,
+                                      cfg.rope_theta)
+        entries = len(ctx["entry"])
+        allowed = torch.zeros(m, cache.length + entries + m, dtype=torch.bool, device=tokens.device)
+        allowed[:, : cache.length] = True
+        for i, node in enumerate(nodes):
+            ancestor = parents[node]
+            while ancestor > 0:  # the root's entry is the prefix's last
+                allowed[i, cache.length + ctx["entry"][ancestor]] = True
+                ancestor = parents[ancestor]
+            allowed[i, cache.length + entries + i] = True
+        ctx["keys"].append(k.transpose(0, 1))
+        ctx["values"].append(v.transpose(0, 1))
+        for i, node in enumerate(nodes):
+            ctx["entry"][node] = entries + i
+        keys = torch.cat([cache.keys, *ctx["keys"]], dim=1)
+        values = torch.cat([cache.values, *ctx["values"]], dim=1)
+        ctx["state"] = layer.finish(_attend(q, keys, values, allowed), parent_state)  # [M, H]
+        return self.logits(ctx["state"])
+
+    # ------------------------------------------------------------------ export
+    @classmethod
+    def export_vllm(cls, config, state, lm_head_weight, dtype):
+        """vLLM's EAGLE-3 checkpoint (``Eagle3LlamaForCausalLM``): ``midlayer.*``, ``fc``, ``norm``, ``lm_head``,
+        ``d2t`` (draft index -> target id offset) and ``t2d`` (target ids in the draft vocabulary)."""
+        vocab = config.draft_vocab_size or config.vocab_size
+        draft_ids = state.get("draft_ids", torch.arange(vocab))
+        tensors = {k: v for k, v in state.items() if k != "draft_ids"}
+        tensors["d2t"] = (draft_ids - torch.arange(vocab)).long()
+        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        tensors["t2d"] = t2d
+        vllm_config = {
+            "architectures": ["Eagle3LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": config.hidden_size, "target_hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+            "hidden_act": "silu", "vocab_size": config.vocab_size, "draft_vocab_size": vocab,
+            "max_position_embeddings": 32768, "tie_word_embeddings": False,
+            "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
+                             "use_aux_hidden_state": True},
+        }
+        return vllm_config, {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().clone()
+                             for k, v in sorted(tensors.items())}
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(params, dict) and params.get("rope_theta"):
+        return float(params["rope_theta"])
+    return float(getattr(cfg, "rope_theta", None) or 10000.0)
