@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .drafters import DraftState
+from .drafters import drafter_features
 from .fit import BUCKETS, bucket_of
 from .generate import GenerationStats, cache_kwarg, verify_forward
 from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree, tree_json
@@ -162,7 +162,7 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
     for ids, start in sequences:
         out = target(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False)
         first = max(start - 1, 0)
-        hidden = out.hidden_states[-1][0]  # [L, H]
+        hidden = drafter_features(out.hidden_states, model.drafter.hidden_layers)[0]  # [L, F]
         choice = out.logits[0, first:].argmax(dim=-1)  # [T]
         ranked = model.drafter.ranked(hidden[first:], ids[first:], topk)  # [K, T, topk]
         h, n = topk_hits(ranked, choice)
@@ -215,23 +215,30 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
     step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed, "mean_nodes":
     tree nodes per step, root included, "by_bucket": the same per context-length bucket}`` (the context of
     a step is the cache length before its root, t + 1; :class:`medusa_lite.fit.Candidate` fields).
-    ``features``: the sequences' final hidden states [L, H], if already computed.
+    ``features``: the sequences' drafter features [L, F] (:func:`drafter_inputs`), if already computed. The
+    drafter's state walks the true sequence by ``start`` and ``commit`` exactly as decoding moves it.
     """
-    plan = model.plan(tree)
+    plan, drafter = model.plan(tree), model.drafter
     total, steps, seconds, nodes_total = 0, 0, 0.0, 0
     per_bucket = BucketCounts(buckets)
+    accept_root = torch.zeros(1, dtype=torch.long)
     for i, (ids, start) in enumerate(sequences):
-        hidden = features[i] if features is not None else final_hidden(model.base_model, ids)
-        for t in range(max(start - 1, 0), ids.numel() - 2, stride):
-            t0 = time.perf_counter()
-            (tokens, buffers, _), = plan(DraftState.single(ids[: t + 2], hidden[t]), ids.numel() - t - 2)
-            seconds += time.perf_counter() - t0
-            truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
-            nodes, _ = accept(tokens, truth, buffers.paths)
-            total += nodes.numel()  # accepted + bonus
-            nodes_total += buffers.num_nodes
-            steps += 1
-            per_bucket.add(t + 1, nodes.numel(), buffers.num_nodes)
+        feats = features[i] if features is not None else drafter_inputs(model, ids)  # [L, F]
+        first = max(start - 1, 0)
+        state = drafter.start([ids[: first + 2]], feats[None, : first + 1])  # accepted up to first, root ids[first + 1]
+        for t in range(first, ids.numel() - 2):
+            if (t - first) % stride == 0:
+                t0 = time.perf_counter()
+                (tokens, buffers, _), = plan(state, ids.numel() - t - 2)
+                seconds += time.perf_counter() - t0
+                truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
+                nodes, _ = accept(tokens, truth, buffers.paths)
+                total += nodes.numel()  # accepted + bonus
+                nodes_total += buffers.num_nodes
+                steps += 1
+                per_bucket.add(t + 1, nodes.numel(), buffers.num_nodes)
+            # the root (position t + 1) accepted alone: the drafter's state moves one position along the truth
+            drafter.commit(state, [accept_root.to(ids.device)], feats[None, t + 1: t + 2], [ids[: t + 3]])
     return {"mean_tokens": total / max(steps, 1), "draft_seconds": seconds / max(steps, 1), "steps": steps,
             "mean_nodes": nodes_total / max(steps, 1), "by_bucket": per_bucket.to_dict()}
 
@@ -258,9 +265,10 @@ class BucketCounts:
 
 
 @torch.no_grad()
-def final_hidden(target, ids: torch.Tensor) -> torch.Tensor:
-    """[L] ids -> [L, H] the target's final-norm hidden states (one forward, no cache)."""
-    return target(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False).hidden_states[-1][0]
+def drafter_inputs(model, ids: torch.Tensor) -> torch.Tensor:
+    """[L] ids -> [L, F] the target features ``model``'s drafter reads (one forward, no cache)."""
+    out = model.base_model(input_ids=ids[None], output_hidden_states=True, return_dict=True, use_cache=False)
+    return drafter_features(out.hidden_states, model.drafter.hidden_layers)[0]
 
 
 @torch.no_grad()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .drafters import DraftState
+from .drafters import drafter_features
 from .fit import tree_key
 
 FIT_FORMAT = "medusa_lite.fit/2"
@@ -165,14 +165,16 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     bar.update(bar.total - 1 - bar.n)
     phases["latency"] = time.perf_counter() - start - phases["overhead"]
 
-    hidden = out.hidden_states[-1][0, -1]  # [H] a real hidden state to draft from
+    # a real state to draft from: the prompt's features, its last token as the root
+    state = model.drafter.start([torch.cat([prompt, prompt[-1:]])],
+                                drafter_features(out.hidden_states, model.drafter.hidden_layers)[:, : prompt.numel()])
     draft: dict[str, float] = {}
     for tree in candidates:
         plan = model.plan(parse_tree(tree, model.config.num_heads), sampler)
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            plan(DraftState.single(prompt, hidden), 8)
+            plan(state, 8)
             _sync(device)
             times.append(time.perf_counter() - t0)
         draft[tree_key(tree)] = min(times)

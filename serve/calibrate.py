@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_lite import MedusaConfig
-from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, final_hidden,
+from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, drafter_inputs,
                                      interpolate_latency, measure_forward_latency, measure_head_accuracy,
                                      measure_sampling, monotone_latency, replay_acceptance)
 from medusa_lite.config import TREE_NAME, dtype_name, sample_key
@@ -201,7 +201,7 @@ def acceptance_candidates(model, acc) -> tuple[list, list]:
         if tree not in statics:
             statics.append(tree)
     bases = list(statics)
-    if model.config.head_type == "hydra":
+    if model.drafter.dynamic_trees:
         bases += [DynamicTree(n, model.config.num_heads, topk=4, expand=4) for n in (4, 8, 16, 32)]
     greedy = [tree_json(t) for t in bases]
     greedy += [WithLookup(t, n).to_json() for t in bases for n in ACCEPTANCE_LOOKUP]
@@ -217,7 +217,7 @@ def acceptance_table(model, sequences, acc, questions, args):
     from medusa_lite.fit import BUCKETS, AcceptanceTable, Candidate
 
     greedy, sample = acceptance_candidates(model, acc)
-    features = [final_hidden(model.base_model, ids) for ids, _ in sequences]
+    features = [drafter_inputs(model, ids) for ids, _ in sequences]
     rows = []
     for tree in tqdm(greedy, desc="replaying greedy candidates"):
         r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), args.stride, features)
@@ -266,10 +266,10 @@ def greedy_candidates(model, sequences, acc, table, overhead_per_step, current, 
              "tokens_per_step": c.expected_length, "step_ms": c.latency * 1e3, "tokens_per_second": c.tokens_per_second}
             for c in formula]
     if args.replay:
-        if model.config.head_type == "hydra":
+        if model.drafter.dynamic_trees:
             rows += [{"kind": "dynamic", "tree": DynamicTree(n, model.config.num_heads, topk=k, expand=4).to_json(),
                       "size": n} for n in args.sizes if n >= 4 for k in (4, 8)]
-        features = [final_hidden(target, ids) for ids, _ in sequences]
+        features = [drafter_inputs(model, ids) for ids, _ in sequences]
         base = replay_acceptance(model, sequences, current, args.stride, features)
         rest = max(overhead_per_step - base["draft_seconds"], 0.0)  # verification + bookkeeping per step
 

@@ -215,13 +215,15 @@ def test_calibrate_sampling_tree_is_stored_next_to_the_greedy_one(tmp_path):
     assert tree_json(MedusaModel.from_pretrained(load_target(target_dir, dtype="bf16")[0], heads).tree_for(True)) == [[0]]
 
 
-def test_calibrate_acceptance_table_feeds_the_hardware_fit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("head_type", ["hydra", "eagle3"])
+def test_calibrate_acceptance_table_feeds_the_hardware_fit(tmp_path, monkeypatch, head_type):
     """``--acceptance``: every candidate replayed (greedy) and run (sampling) per context bucket, written as the
-    heads' acceptance table; loading the heads then fits the tree to this machine (probe cached)."""
+    heads' acceptance table; loading the heads then fits the tree to this machine (probe cached). The replay
+    moves the drafter's state (an eagle3 drafter's own cache) along the truth as decoding does."""
     from medusa_lite.fit import AcceptanceTable
 
     monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path / "cache"))
-    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type="hydra"),
+    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type=head_type),
                                               {160: "write a story", 400: "what is it"})
     run("--acceptance", "--max-new-tokens", "12", "--topk", "3", "--sample-prompts", "1")
     table = AcceptanceTable.load(heads)
@@ -235,5 +237,7 @@ def test_calibrate_acceptance_table_feeds_the_hardware_fit(tmp_path, monkeypatch
     model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
     fit = model.fit_hardware(progress=False)
     assert len(fit.ladders) == 3 and all(ladder[-1].tree == [] for ladder in fit.ladders)
-    out = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=8)
+    prompt = torch.tensor([[1, 5, 3, 4]])  # no pad token (2): plain generate would mask it out
+    out = model.generate(prompt, max_new_tokens=8)
     assert out.shape[1] == 12 and model.last_stats.fitted is not None
+    assert torch.equal(out, model.base_model.generate(prompt, max_new_tokens=8, do_sample=False))

@@ -11,7 +11,8 @@ config class. The speculative loop (:func:`medusa_lite.generate.speculative_gene
 - ``forward(hidden, ids)``: teacher-forced logits for training, ``loss(...)`` its training objective,
   ``ranked(...)`` teacher-forced proposals for calibration, ``export_vllm(...)`` its vLLM checkpoint.
 
-Shapes are batch-first with per-row lengths: ``DraftState.ids`` is a list of rows, features are ``[B, ...]``. The frozen target's ``lm_head`` and input embeddings are referenced (:meth:`Drafter.attach`),
+Shapes are batch-first with per-row lengths: ``DraftState.ids`` is a list of rows, features are ``[B, ...]``.
+The frozen target's ``lm_head`` and input embeddings are referenced (:meth:`Drafter.attach`),
 never owned: they are neither trained nor saved with the drafter.
 """
 
@@ -48,12 +49,6 @@ class DraftState:
     ids: list[torch.Tensor]
     hidden: torch.Tensor
     cache: object = None
-
-    @classmethod
-    def single(cls, ids: torch.Tensor, hidden: torch.Tensor) -> "DraftState":
-        """One row: ids [L] ending in the root, the features [F] at the last accepted position (replays and probes
-        that draft from known positions, without a loop; a stateful drafter builds its cache from ``ids``)."""
-        return cls([ids], hidden[None])
 
 
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step
