@@ -371,3 +371,9 @@ def test_distill_data_writes_the_targets_answers_and_resumes(material, tmp_path)
     assert len(out.read_text().splitlines()) == 6
     records, skipped = D.read_records(out)  # and it is valid training data
     assert len(records) + sum(skipped.values()) == 6
+    mixed = tmp_path / "mixed.jsonl"
+    distill_main([*args[:5], str(mixed), *args[6:], "--mix", "chat,multi,arithmetic,summarize"])
+    rows = [json.loads(x) for x in mixed.read_text().splitlines()]
+    assert {r["kind"] for r in rows} >= {"chat", "multi", "arithmetic"}
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+    assert any(len(r["messages"]) == 4 for r in rows if r["kind"] == "multi")  # user, assistant, user, target

@@ -3,16 +3,21 @@
     medusa-lite distill-data --out runs/distill/sharegpt.jsonl --num-prompts 4000 [--shard 0/2]
     medusa-lite train --config smollm2-135m data=runs/distill/sharegpt.jsonl
 
+    medusa-lite distill-data --out runs/distill/mix.jsonl --mix chat,multi,summarize,translate,passage,arithmetic,code
+
 Heads decode the target's text, not the human text of ShareGPT: trained on the target's own answers
 (as Medusa-2 and EAGLE do), they see the hidden states and the token statistics they meet at decoding
-time. Each line is ``{"messages": [user, assistant], "source_index": i}``; the file is appended to, so
-an interrupted run continues where it stopped (rows already written are skipped).
+time. ``--mix`` takes prompt kinds in turn, record by record: first turns (chat), a second turn after the first
+exchange (multi), summarize / translate / answer-from-this-passage tasks on ShareGPT answer text, step-by-step
+arithmetic, and code questions (:func:`build_prompt`). Each line is ``{"messages": [..., assistant],
+"source_index": i, "kind": k}``; the file is appended to, so an interrupted run continues where it stopped
+(rows already written are skipped). Spec-Bench questions are never among the prompts.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +25,11 @@ from typing import Literal
 
 import torch
 
-from medusa_lite.settings import SettingsParser, option
+from medusa_lite.settings import Names, SettingsParser, option
 from medusa_lite.train import data as D
+
+
+KINDS = ("chat", "multi", "summarize", "translate", "passage", "arithmetic", "code")
 
 
 @dataclass
@@ -40,6 +48,12 @@ class DistillSettings:
     threads: int | None = option(None, "torch.set_num_threads")
     shard: str = option("0/1", "i/n: this process takes every n-th prompt from the i-th")
     seed: int = option(0, "seed of the prompt order")
+    mix: Names = option(Names(("chat",)), f"prompt kinds, taken in turn record by record: {', '.join(KINDS)}")
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.mix) - set(KINDS))
+        if unknown or not self.mix:
+            raise ValueError(f"mix: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
 
 
 def parse_args(argv: list[str] | None = None) -> DistillSettings:
@@ -47,22 +61,73 @@ def parse_args(argv: list[str] | None = None) -> DistillSettings:
                           kind="distill-data").parse(argv)[0]
 
 
-def first_user_turns(path: Path, *, limit: int, skip: int, seed: int) -> list[tuple[int, str]]:
-    """(index, text) of the first user turn of the first ``skip + limit`` valid records, minus ``skip``."""
+def _turns(rec: dict, role: str) -> list[str]:
+    return [m["content"] for m in rec["messages"] if m["role"] == role and m["content"].strip()]
+
+
+def _passage(rec: dict, words: int) -> str | None:
+    """The first ``words`` words of the record's first assistant answer (ShareGPT text to work on)."""
+    answers = _turns(rec, "assistant")
+    text = " ".join(answers[0].split()[:words]) if answers else ""
+    return text if len(text.split()) >= 20 else None
+
+
+_CODE_WORDS = ("python", "function", "code", "javascript", "sql", "script", "class ", "program", "bash", "regex")
+
+
+def _arithmetic(i: int) -> str:
+    rng = random.Random(i)
+    a, b, c = rng.randint(12, 999), rng.randint(2, 99), rng.randint(2, 999)
+    op = rng.choice(["*", "+", "-"])
+    return f"What is {a} {op} {b} + {c}? Work it out step by step, then give the answer."
+
+
+def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
+    """The chat ``kind`` makes of record ``i`` (None when the record does not suit it), the target to answer last.
+
+    chat: the first user turn. multi: the first exchange, then the second user turn. summarize / translate /
+    passage: a task on the text of the record's first answer. arithmetic: a step-by-step sum (made up from ``i``).
+    code: a first user turn about code (others are skipped)."""
+    users = _turns(rec, "user")
+    if kind == "chat":
+        return [{"role": "user", "content": users[0]}] if users else None
+    if kind == "multi":
+        answers = _turns(rec, "assistant")
+        if len(users) < 2 or not answers:
+            return None
+        return [{"role": "user", "content": users[0]}, {"role": "assistant", "content": answers[0]},
+                {"role": "user", "content": users[1]}]
+    if kind == "code":
+        return [{"role": "user", "content": users[0]}] if users and any(w in users[0].lower() for w in _CODE_WORDS) \
+            else None
+    if kind == "arithmetic":
+        return [{"role": "user", "content": _arithmetic(i)}]
+    passage = _passage(rec, 60 if kind == "translate" else 160)
+    if passage is None:
+        return None
+    task = {"summarize": f"Summarize the following text in two or three sentences.\n\n{passage}",
+            "translate": f"Translate the following text into {('French', 'German', 'Spanish')[i % 3]}.\n\n{passage}",
+            "passage": f"Read the passage, then answer the question from it.\n\nPassage: {passage}\n\n"
+                       f"Question: {users[0] if users else 'What is the passage about?'}"}[kind]
+    return [{"role": "user", "content": task}]
+
+
+def prompts_of(path: Path, kinds: tuple[str, ...], *, limit: int, skip: int, seed: int) -> list[tuple[int, str, list]]:
+    """(index, kind, messages) for records ``skip .. skip + limit`` of the seeded shuffle, kinds taken in turn."""
     records, _ = D.read_records(path, limit=skip + limit, seed=seed)
     out = []
     for i, rec in enumerate(records[skip:], start=skip):
-        user = next((m["content"] for m in rec["messages"] if m["role"] == "user"), None)
-        if user and user.strip():
-            out.append((i, user))
+        kind = kinds[i % len(kinds)]
+        messages = build_prompt(kind, i, rec)
+        if messages is not None:
+            out.append((i, kind, messages))
     return out
 
 
 @torch.no_grad()
-def answer_batch(target, tokenizer, texts: list[str], max_new_tokens: int) -> list[str]:
-    """Greedy answers of the target to one-turn chats, batched with left padding."""
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                             tokenize=False) for t in texts]
+def answer_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """Greedy answers of the target to the chats' last user turns, batched with left padding."""
+    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     out = target.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                           cache_implementation="static")  # a growing cache re-copies [B, L] K/V every step
@@ -80,26 +145,26 @@ def main(argv=None) -> None:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    prompts = first_user_turns(D.resolve_data_path(args.prompts), limit=args.num_prompts, skip=args.skip_prompts,
-                               seed=args.seed)[shard::shards]
-    lengths = {i: len(tokenizer(t, add_special_tokens=False)["input_ids"]) for i, t in prompts}
+    prompts = prompts_of(D.resolve_data_path(args.prompts), tuple(args.mix), limit=args.num_prompts,
+                         skip=args.skip_prompts, seed=args.seed)[shard::shards]
+    lengths = {i: len(tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
+                      ["input_ids"]) for i, _, chat in prompts}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {json.loads(line)["source_index"] for line in out.read_text().splitlines() if line.strip()} \
         if out.is_file() else set()
-    todo = sorted(((i, t) for i, t in prompts if i not in done and lengths[i] <= args.max_prompt_tokens),
+    todo = sorted(((i, kind, chat) for i, kind, chat in prompts if i not in done and lengths[i] <= args.max_prompt_tokens),
                   key=lambda it: lengths[it[0]])
     print(f"distill: {len(todo)} prompts to answer ({len(done)} already in {out})", flush=True)
     t0, new_tokens = time.time(), 0
     with out.open("a") as f:
         for b in range(0, len(todo), args.batch_size):
             batch = todo[b: b + args.batch_size]
-            answers = answer_batch(target, tokenizer, [t for _, t in batch], args.max_new_tokens)
-            for (i, text), answer in zip(batch, answers):
+            answers = answer_batch(target, tokenizer, [chat for _, _, chat in batch], args.max_new_tokens)
+            for (i, kind, chat), answer in zip(batch, answers):
                 new_tokens += len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-                f.write(json.dumps({"messages": [{"role": "user", "content": text},
-                                                 {"role": "assistant", "content": answer}],
-                                    "source_index": i}) + "\n")
+                f.write(json.dumps({"messages": [*chat, {"role": "assistant", "content": answer}],
+                                    "source_index": i, "kind": kind}) + "\n")
             f.flush()
             print(f"distill: {b + len(batch)}/{len(todo)} prompts, {new_tokens} answer tokens, "
                   f"{new_tokens / (time.time() - t0):.0f} tok/s", flush=True)
