@@ -24,11 +24,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/medusa-lite demo
 
+# two workers (pytest-xdist): the tests run one torch thread each, so a 2-core machine runs two at once
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=15
+	$(PY) -m pytest -q -x -n 2 --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 # on a machine with an NVIDIA GPU (a CUDA build of torch): the CUDA tests and a short CUDA Spec-Bench run (< 8 min)
 gpu-check: $(STAMP)

@@ -36,7 +36,6 @@ class GenerationStats:
     new_tokens: int = 0
     target_forwards: int = 0
     verify_steps: int = 0
-    draft_tokens: int = 0  # drafted tree nodes verified, summed over steps (root excluded)
     step_depths: list[int] = field(default_factory=list)  # depth of the tree verified at each step
     tokens_per_step: list[int] = field(default_factory=list)
     nodes_per_step: list[int] = field(default_factory=list)  # tree tokens verified at each step, root included
@@ -46,6 +45,12 @@ class GenerationStats:
     prefill_time: float = 0.0  # seconds of the prompt's forward
     tree_nodes: int = 0
     fitted: dict | None = None  # with a tree fitted to the machine: steps per tree, realized speed per bucket
+
+    @property
+    def drafted_nodes(self) -> int:
+        """Drafted tree nodes verified, summed over steps (roots excluded). Not the server's
+        ``spec_decode_num_draft_tokens``, which counts positions drafted ahead (each step's tree depth)."""
+        return sum(self.nodes_per_step) - self.verify_steps
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -67,7 +72,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         return {
             "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
-            "verify_steps": self.verify_steps, "draft_tokens": self.draft_tokens, "mean_accepted_tokens": self.mean_accepted_tokens,
+            "verify_steps": self.verify_steps, "drafted_nodes": self.drafted_nodes, "mean_accepted_tokens": self.mean_accepted_tokens,
             "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
             "target_time": self.target_time, "prefill_time": self.prefill_time, "overhead_share": self.overhead_share,
             "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes, "fitted": self.fitted,
@@ -331,7 +336,6 @@ def _read(out, drafter: Drafter) -> torch.Tensor:
 
 def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:
     stats.verify_steps += 1
-    stats.draft_tokens += buffers.num_nodes - 1
     stats.step_depths.append(buffers.depth)
     stats.tokens_per_step.append(accepted + 1)
     stats.nodes_per_step.append(buffers.num_nodes)

@@ -102,12 +102,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
 
     def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [..., 2H]
+        dtype = self.hidden_norm.weight.dtype  # norms in the drafter's dtype (under autocast the inputs are bf16)
+        return torch.cat([self.input_layernorm(embeds.to(dtype)), self.hidden_norm(hidden.to(dtype))], dim=-1)  # [.., 2H]
 
     def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """attn [..., heads * D] (before o_proj), the layer's hidden input -> pre-norm output [..., H]."""
         h = self.self_attn.o_proj(attn) + hidden
-        return self.mlp(self.post_attention_layernorm(h)) + h
+        return self.mlp(self.post_attention_layernorm(h.to(self.post_attention_layernorm.weight.dtype))) + h
 
 
 @dataclass
@@ -185,7 +186,7 @@ class Eagle3Drafter(PathDrafter):
         self.lm_head.weight.copy_(weight if ids is None else weight[ids.to(weight.device)])
 
     def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(prenorm))
+        return self.lm_head(self.norm(prenorm.to(self.norm.weight.dtype)))
 
     # ------------------------------------------------------------------ training
     def forward(self, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
