@@ -45,16 +45,18 @@ class Eagle3Config(MedusaConfig):
     rope_theta: float | None = None
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half layout): x [..., T, heads, D], positions [..., T] -> same shape."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)   # [D/2]
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Llama's rotate-half layout): x [..., T, heads, D], cos / sin [..., T, 1, D] -> x's shape."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [..., T] -> (cos, sin) [..., T, 1, D] for :func:`rope`."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions.to(torch.float32)[..., None] * inv_freq                                      # [..., T, D/2]
-    cos = torch.cat([angles.cos()] * 2, -1)[..., None, :].to(x.dtype)                              # [..., T, 1, D]
-    sin = torch.cat([angles.sin()] * 2, -1)[..., None, :].to(x.dtype)
-    half = d // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    angles = torch.cat([angles, angles], dim=-1)[..., None, :]                                      # [..., T, 1, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 class Attention(nn.Module):
@@ -74,7 +76,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
         k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        return rope(q, positions, theta), rope(k, positions, theta), v
+        cos, sin = rope_angles(positions, self.head_dim, theta, q.dtype)
+        return rope(q, cos, sin), rope(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -126,11 +129,9 @@ class RowCache:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """q [M, heads, D], keys / values [kv_heads, S, D], allowed [M, S] bool -> [M, heads * D]."""
-    group = q.shape[1] // keys.shape[0]
-    k = keys.repeat_interleave(group, dim=0)                      # [heads, S, D]
-    v = values.repeat_interleave(group, dim=0)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=allowed[None])  # [heads, M, D]
+    """q [M, heads, D], keys / values [kv_heads, S, D], allowed [M, S] bool -> [M, heads * D] (grouped heads)."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=allowed[None],
+                                         enable_gqa=True)          # [heads, M, D]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
 
 
