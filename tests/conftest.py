@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
@@ -62,7 +64,9 @@ def oracle_draft(reference: torch.Tensor, num_heads: int, topk: int, vocab: int)
     return draft
 
 
-DEFAULT_THREADS = torch.get_num_threads()
+# under pytest-xdist (make test: two workers on two cores) one thread each: more oversubscribes the cores and a
+# 2-thread forward next to a busy worker runs ~10x slower
+DEFAULT_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else torch.get_num_threads()
 
 
 @pytest.fixture(autouse=True)
