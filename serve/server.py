@@ -91,15 +91,16 @@ class APIError(Exception):
     """An error answered as OpenAI's ``{"error": {...}}`` JSON."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # ====================================================================== request schemas
@@ -218,6 +219,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json")
+    except RecursionError:  # json nests by recursion: a body nested thousands of levels deep
+        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json")
 
 
 # ====================================================================== metrics
@@ -441,7 +444,7 @@ class Engine:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
             if len(self._pending) >= self.max_queue:
                 raise APIError(429, f"the server is busy: {len(self._pending)} requests are waiting (max_queue)",
-                               type="rate_limit_error", code="queue_full")
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             self._pending.append(job)
             self.metrics.waiting.set(len(self._pending))
             self._cond.notify()

@@ -233,6 +233,7 @@ def test_metrics_move_with_generate_stats(tiny, server, client):
 
 BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[" * 20000 + b"]" * 20000, 400, None),  # nested 20,000 deep: 400, the server stays up
     ("/v1/completions", b"[1, 2]", 400, None),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, 400, "max_tokens"),
@@ -370,7 +371,7 @@ def test_full_queue_answers_429_and_cancelled_waiters_leave(server, client):
                     assert next(line for line in readers[0] if line.startswith("data: "))
             extra = http.post(server.url + "/v1/completions", json=body)
             assert extra.status_code == 429, extra.text
-            assert extra.json()["error"]["code"] == "queue_full"
+            assert extra.json()["error"]["code"] == "queue_full" and extra.headers["retry-after"] == "1"
             text = httpx.get(server.url + "/metrics").text
             assert metric(text, "medusa_lite:num_requests_waiting") == MAX_QUEUE
         finally:
