@@ -532,7 +532,16 @@ class Engine:
         m.record_fitted(stats, "sample" if job.gen_kwargs.get("do_sample") else "greedy")
         job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent,
                           "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
-                                    "total_tokens": len(job.prompt_ids) + len(new)}})
+                                    "total_tokens": len(job.prompt_ids) + len(new)},
+                          "medusa_lite": speculative_stats(stats)})
+
+
+def speculative_stats(stats: GenerationStats) -> dict[str, Any]:
+    """The request's speculative decoding, as the response's ``medusa_lite`` extension field (the Prometheus
+    counters' names; llama.cpp's ``draft_n`` / ``draft_n_accepted``)."""
+    return {"verify_steps": stats.verify_steps, "draft_tokens": sum(stats.step_depths),
+            "accepted_tokens": sum(stats.accepted_per_depth),
+            "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4)}
 
 
 # ====================================================================== the API
@@ -683,13 +692,13 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": model_name}
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, role: bool = False, **fields) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return sse({**base, "choices": [choice], **extra})
+            return sse({**base, "choices": [choice], **extra, **fields})
 
         if chat:
             yield chunk(None, None, role=True)
@@ -703,7 +712,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
             else:
                 if payload["delta"]:
                     yield chunk(payload["delta"], None)
-                yield chunk(None if chat else "", payload["finish_reason"])
+                yield chunk(None if chat else "", payload["finish_reason"], medusa_lite=payload["medusa_lite"])
                 if include_usage:
                     yield sse({**base, "choices": [], "usage": payload["usage"]})
         yield "data: [DONE]\n\n"
@@ -758,7 +767,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
                 "model": model_name,
                 "choices": [{"index": 0, "text": out["text"], "logprobs": None,
                              "finish_reason": out["finish_reason"]}],
-                "usage": out["usage"]}
+                "usage": out["usage"], "medusa_lite": out["medusa_lite"]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -778,7 +787,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
                 "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
                              "logprobs": None, "finish_reason": out["finish_reason"]}],
-                "usage": out["usage"]}
+                "usage": out["usage"], "medusa_lite": out["medusa_lite"]}
 
     return app
 

@@ -134,6 +134,10 @@ def test_completion_streamed_equals_plain_equals_generate(tiny, client):
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    spec = plain.model_extra["medusa_lite"]  # the request's speculative stats (an extension field)
+    assert spec == chunks[-1].model_extra["medusa_lite"]  # greedy: the same steps streamed or not
+    assert spec["verify_steps"] >= 1 and 0 <= spec["accepted_tokens"] <= spec["draft_tokens"]
+    assert spec["mean_accepted_tokens"] == pytest.approx(len(new) / (spec["verify_steps"] + 1), abs=1e-3)
 
 
 def test_chat_streamed_equals_plain_equals_generate(tiny, client):

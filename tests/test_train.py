@@ -296,12 +296,13 @@ def test_eagle3_trains_through_the_same_entry_point_and_decodes(material, tmp_pa
     """An EAGLE-3 drafter: three target layers cached (or run live), training-time test over num_heads steps,
     a 40-token draft vocabulary; it learns, it saves, it decodes exactly, and it exports to vLLM's layout."""
     out = main([f"target={material['target']}", f"data={material['data']}", "precision=fp32", "head_type=eagle3",
-                "num_heads=3", "draft_vocab=40", "seq_len=32", "max_steps=30", "lr=3e-3", "warmup_steps=2",
+                "num_heads=3", "draft_vocab=40", "--intermediate-size", "48", "seq_len=32", "max_steps=30", "lr=3e-3", "warmup_steps=2",
                 "log_every=5", "eval_samples=4", "progress=false", f"cache_features={cache_features}",
                 f"output_dir={tmp_path}"])
     heads = Path(out["heads_dir"])
     conf = json.loads((heads / "medusa_config.json").read_text())
     assert conf["head_type"] == "eagle3" and conf["draft_vocab_size"] == 40 and len(conf["aux_layers"]) == 3
+    assert conf["intermediate_size"] == 48
     log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert all(last < first for first, last in zip(log[0]["loss"], log[-1]["loss"]))  # every unrolled step learns
     if cache_features:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from medusa_lite.train import data as D
-from medusa_lite.settings import SettingsParser, option, resolve_config
+from medusa_lite.settings import Ints, SettingsParser, option, resolve_config
 from medusa_lite.drafters.heads import num_positions
 from medusa_lite.train.loss import agreement
 
@@ -46,6 +46,8 @@ class TrainConfig:
     num_heads: int = option(4, "draft depth: heads, or eagle3's steps unrolled in training (training-time test)")
     num_layers: int = option(1, "ResBlocks per head (medusa, hydra)")
     share_lm_head: bool = option(True, "heads project with the frozen target lm_head (else one lm_head each)")
+    aux_layers: Ints | None = option(None, "eagle3: the target hidden_states it reads (none: 2, L // 2, L - 3)")
+    intermediate_size: int | None = option(None, "eagle3: its MLP width (none: the target's)")
     # data
     data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"})")
     max_samples: int | None = option(2000, "documents used for training, after a seeded shuffle (none: all)")
@@ -94,6 +96,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab is not None and not self.share_lm_head:
             raise ValueError("draft_vocab needs share_lm_head=True (per-head lm_heads span the full vocabulary)")
+        if self.head_type != "eagle3" and (self.aux_layers is not None or self.intermediate_size is not None):
+            raise ValueError("aux_layers and intermediate_size shape an eagle3 drafter (head_type=eagle3)")
         if self.seq_len <= self.num_heads + 1:
             raise ValueError(f"seq_len={self.seq_len} must exceed num_heads + 1")
 
@@ -169,13 +173,18 @@ def barrier(rt: Runtime) -> None:
 def build_model(cfg: TrainConfig, rt: Runtime):
     """Frozen target + fresh heads (fp32 master weights). Returns (MedusaModel, tokenizer)."""
     from medusa_lite import MedusaConfig, MedusaModel
+    from medusa_lite.drafters import drafter_class
     from medusa_lite.targets import DEFAULT_TARGET, load_target
 
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     target, tokenizer = load_target(cfg.target, dtype=dtype, device=str(rt.device), adapter=cfg.adapter)
-    head_cfg = MedusaConfig(num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
+    shape = {"aux_layers": list(cfg.aux_layers)} if cfg.aux_layers else {}
+    if cfg.intermediate_size:
+        shape["intermediate_size"] = cfg.intermediate_size
+    config_class = drafter_class(cfg.head_type).config_class or MedusaConfig
+    head_cfg = config_class(num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
                             head_type=cfg.head_type, draft_vocab_size=_draft_vocab_size(cfg, target),
-                            base_model=cfg.target or DEFAULT_TARGET)
+                            base_model=cfg.target or DEFAULT_TARGET, **shape)
     torch.manual_seed(cfg.seed)
     model = MedusaModel(target, head_cfg)  # freezes the target: requires_grad False, eval()
     model.drafter.float()
