@@ -214,6 +214,7 @@ def test_resume_after_a_stop_ends_at_the_planned_step_with_the_same_data_order(m
     assert partial["stats"]["step"] == 3 and not (tmp_path / "cut" / "heads").exists()
     resumed = main([*common, f"output_dir={tmp_path / 'cut'}"])
     assert resumed["stats"]["step"] == 6 and resumed["stats"]["this_run_steps"] == 3
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("step*")) == ["step4", "step6"]  # newest 2
     full = load_file(str(tmp_path / "full" / "heads" / "heads.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "heads" / "heads.safetensors"))
     assert all(torch.allclose(full[k], cut[k], atol=1e-6) for k in full)

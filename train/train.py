@@ -76,7 +76,8 @@ class TrainConfig:
     deepspeed: str = option("zero2", "DeepSpeed JSON: a path or a shipped name (zero2, zero3)")
     # run
     output_dir: str = option("runs/heads", "checkpoints, features, log and the trained heads go here")
-    save_every: int = option(100, "checkpoint every N steps (0: only at the end)")
+    save_every: int = option(100, "checkpoint every N steps (0: only at the end); the newest keep_checkpoints stay")
+    keep_checkpoints: int = option(2, "checkpoints kept in output_dir/checkpoints (0: all)")
     log_every: int = option(10, "log to train_log.jsonl every N steps")
     resume: bool = option(True, "continue from the latest checkpoint in output_dir")
     max_steps_this_run: int | None = option(None, "stop (with a checkpoint) after this many steps of this run")
@@ -371,6 +372,7 @@ class Engine:
         params = [p for p in drafter.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        self.rt = rt
         self.ds_config = load_deepspeed_config(cfg, rt)
         self.module, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=drafter, model_parameters=params, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
@@ -393,8 +395,16 @@ class Engine:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
-    def save_checkpoint(self, directory: Path, step: int, state: dict[str, Any]) -> None:
+    def save_checkpoint(self, directory: Path, step: int, state: dict[str, Any], keep: int = 2) -> None:
+        """DeepSpeed's checkpoint of this step; only the newest ``keep`` are kept (0: all)."""
         self.module.save_checkpoint(str(directory), tag=f"step{step}", client_state=state)
+        if keep and self.rt.rank == 0:
+            import shutil
+
+            tags = sorted((p for p in directory.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+            for old in tags[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        barrier(self.rt)
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any] | None:
         """The client state of the latest checkpoint in ``directory`` (weights, optimiser and scheduler restored),
@@ -572,7 +582,8 @@ def run(cfg: TrainConfig, model, proj, engine: Engine, train_data, train_hidden,
             window_stats, window_t0, window_steps = None, time.time(), 0
         if (cfg.save_every and step % cfg.save_every == 0) or step == stop or timed_out:
             engine.save_checkpoint(ckpt_dir, step, {"step": step, "tokens": tokens,
-                                                    "train_seconds": elapsed + time.time() - t_start})
+                                                    "train_seconds": elapsed + time.time() - t_start},
+                                   keep=cfg.keep_checkpoints)
         if timed_out:
             log0(rt, f"time limit of {cfg.time_limit_minutes} min reached at step {step}")
             break
