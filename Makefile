@@ -36,4 +36,4 @@ gpu-check: $(STAMP)
 	bash .ci/gpu-check
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -164,7 +164,7 @@ def measure_head_accuracy(model, sequences: list[tuple[torch.Tensor, int]], topk
         first = max(start - 1, 0)
         hidden = drafter_features(out.hidden_states, model.drafter.hidden_layers)[0]  # [L, F]
         choice = out.logits[0, first:].argmax(dim=-1)  # [T]
-        ranked = model.drafter.ranked(hidden[first:], ids[first:], topk)  # [K, T, topk]
+        ranked = model.drafter.ranked(hidden, ids, topk)[:, first:]  # [K, T, topk]: the whole context read
         h, n = topk_hits(ranked, choice)
         hits += h
         totals += n

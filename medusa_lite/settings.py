@@ -82,7 +82,7 @@ class SettingsParser:
                 raise SettingsError(f"{self.prog}: {message}")
 
         self.cls, self.kind, self.default_config = cls, kind, default_config
-        self.parser = _Parser(cls, prog=prog, description=description,
+        self.parser = _Parser(cls, prog=prog, description=description, allow_abbrev=False,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
         if kind is not None:
             names = ", ".join(shipped_configs(kind)) or "none"
@@ -100,7 +100,8 @@ class SettingsParser:
     def parse(self, argv: list[str] | None = None) -> tuple[Any, argparse.Namespace]:
         """(settings, namespace of the extra flags) from ``argv`` (default ``sys.argv[1:]``). ``SettingsError``
         on any unknown or bad setting."""
-        argv = [self._as_flag(a) for a in (sys.argv[1:] if argv is None else argv)]
+        argv = list(sys.argv[1:] if argv is None else argv)
+        argv = [arg if i and self._takes_value(argv[i - 1]) else self._as_flag(arg) for i, arg in enumerate(argv)]
         config = self._config_path(argv)
         namespace = self.parser.parse_args(self._yaml_flags(config) + argv)
         values = {name: getattr(namespace, name) for name in self.fields}
@@ -110,6 +111,11 @@ class SettingsParser:
             return self.cls(**values), namespace
         except (TypeError, ValueError) as e:
             raise SettingsError(f"{self.parser.prog}: {e}") from e
+
+    def _takes_value(self, arg: str) -> bool:
+        """Whether ``arg`` is a flag that takes the next token as its value (``--output_dir seed=3``)."""
+        action = self.parser._option_string_actions.get(arg)
+        return action is not None and action.nargs is None and action.type is not None
 
     def _as_flag(self, arg: str) -> str:
         """``key=value`` of a known setting (the form training commands have always taken) -> ``--key=value``."""
@@ -138,14 +144,28 @@ class SettingsParser:
             raise SettingsError(f"{path}: unknown setting(s) {unknown}; known: {sorted(self.fields)}")
         flags = []
         for key, value in data.items():
+            kind = _base_type(self.fields[key], self.cls)
             if isinstance(value, dict):
                 raise SettingsError(f"{path}: setting {key!r} expects a value, got a mapping {value!r}")
-            if isinstance(value, list):  # for Ints / Names settings; any other setting rejects the comma
+            if isinstance(value, list) != (isinstance(kind, type) and issubclass(kind, Ints)):
+                raise SettingsError(f"{path}: setting {key!r} expects {getattr(kind, '__name__', kind)}, got {value!r}")
+            if isinstance(value, bool) and kind is not bool:  # YAML 1.1 reads yes / off as booleans
+                raise SettingsError(f"{path}: setting {key!r} expects {getattr(kind, '__name__', kind)}, got {value!r}")
+            if isinstance(value, list):
                 text = ",".join(map(str, value))
             else:
                 text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
             flags.append(f"--{key}={text}")
         return flags
+
+
+def _base_type(field: dataclasses.Field, cls: type):
+    """The field's type without ``| None``."""
+    import typing
+
+    hint = typing.get_type_hints(cls)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and typing.get_origin(hint) is not typing.Literal else hint
 
 
 def _optional(field: dataclasses.Field, cls: type) -> bool:

@@ -35,13 +35,16 @@ def test_defaults_yaml_flags_precedence_and_every_flag_form(tmp_path):
     assert (s.name, s.count, s.sizes, s.fit, s.mode) == ("flag", 7, (16,), True, "x")
     assert parse("--no-fit").fit is False and parse("--sizes", "").sizes == ()
     assert parse("--name", "k=v").name == "k=v"  # key=value only for known settings
+    assert parse("--name", "count=5").name == "count=5"  # a flag's value is never rewritten
+    assert parse("--name=count=5", "count=2").count == 2
 
 
 @pytest.mark.parametrize("argv, yaml, key", [
     (["--count", "2.5"], None, "'count'"), (["--mode", "z"], None, "'mode'"), (["--fit", "maybe"], None, "'fit'"),
     (["--sizes", "1,x"], None, "'sizes'"), (["--nmae", "b"], None, "--nmae"), (["--name", "none"], None, "'name'"),
     ([], "count: many\n", "'count'"), ([], "nmae: b\n", "nmae"), ([], "name: {a: 1}\n", "'name'"),
-    ([], "- a\n", "mapping"),
+    ([], "- a\n", "mapping"), ([], "name: yes\n", "'name'"), ([], "name: [a, b]\n", "'name'"),
+    ([], "count: [3]\n", "'count'"), (["--nam", "b"], None, "--nam"),
 ])
 def test_unknown_or_ill_typed_settings_name_the_key(tmp_path, argv, yaml, key):
     path = None

@@ -122,7 +122,7 @@ class Runtime:
     device: torch.device
 
 
-_ALONE = "MEDUSA_LITE_TRAIN_ALONE"  # set when this process made its own world of one
+_OWN_WORLD = {"made": False}  # this process made its own world of one (kept for later runs in the process)
 
 
 def init_runtime(cfg: TrainConfig) -> Runtime:
@@ -131,9 +131,12 @@ def init_runtime(cfg: TrainConfig) -> Runtime:
 
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
-    if "WORLD_SIZE" not in os.environ or os.environ.get(_ALONE) == "1":
+    # no launcher: a world of one. DeepSpeed reads these variables (LOCAL_RANK even after the init); a launcher
+    # started later sets its own for its ranks, and the marker that this world is made up is not an env variable
+    if "WORLD_SIZE" not in os.environ or _OWN_WORLD["made"]:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(_free_port()), _ALONE: "1"})
+                           "MASTER_PORT": str(_free_port())})
+        _OWN_WORLD["made"] = True
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if device.type == "cpu" and os.environ.get("MEDUSA_LITE_DS_SHM", "0") != "1":
@@ -161,7 +164,7 @@ def leave(rt: Runtime) -> None:
     """End of a run. Launched ranks leave their process group (torn down at interpreter exit it can abort a
     rank); a world of one keeps it, since DeepSpeed holds on to it for the next run in this process."""
     barrier(rt)
-    if os.environ.get(_ALONE) != "1":
+    if not _OWN_WORLD["made"]:
         dist.destroy_process_group()
 
 
@@ -401,7 +404,8 @@ class Engine:
         if keep and self.rt.rank == 0:
             import shutil
 
-            tags = sorted((p for p in directory.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
+            tags = sorted((p for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()),
+                          key=lambda p: int(p.name[4:]))
             for old in tags[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         barrier(self.rt)
@@ -454,9 +458,10 @@ class Batches:
 
 def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torch.Tensor | None,
                   starts: torch.Tensor, rt: Runtime) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(drafter features [B, T, F], teacher logits [B, T, V'], weights [K, B, T], ids [B, T]) for windows at
-    ``starts``."""
+    """(drafter features [B, T, F], teacher logits [B, T, V'], weights [K, B, T], ids [B, T], segments [B, T])
+    for windows at ``starts``."""
     ids = D.gather_windows(data.ids, starts, cfg.seq_len).to(rt.device)           # [B, T]
+    segments = D.gather_windows(data.segments, starts, cfg.seq_len).to(rt.device)  # [B, T] document index
     weights = D.window_weights(data.mask, data.segments, starts, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
                                total=int(data.ids.numel())).to(rt.device)         # [K, B, T]
     lm_head = model.base_model.get_output_embeddings()
@@ -470,7 +475,7 @@ def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torc
             out = model.base_model(input_ids=ids, output_hidden_states=True, return_dict=True)
             h = drafter_features(out.hidden_states, model.drafter.hidden_layers)
             teacher = out.logits if proj is lm_head else proj(out.hidden_states[-1])
-    return h, teacher, weights, ids
+    return h, teacher, weights, ids, segments
 
 
 def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
@@ -493,9 +498,9 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
     """One optimiser step over this rank's micro batches; returns summed per-head stats."""
     stats = None
     for starts in micro_batches:
-        h, teacher, weights, ids = window_inputs(cfg, model, proj, data, hidden, starts, rt)
+        h, teacher, weights, ids, segments = window_inputs(cfg, model, proj, data, hidden, starts, rt)
         with autocast(cfg, rt):
-            head_logits = engine(h.float() if cfg.precision == "fp32" else h, ids)  # [K, B, T, V']
+            head_logits = engine(h.float() if cfg.precision == "fp32" else h, ids, segments)  # [K, B, T, V']
         loss, s = model.drafter.loss(head_logits, teacher, weights, ids, loss=cfg.loss, decay=cfg.decay)
         engine.backward(loss)
         engine.step()
@@ -520,10 +525,10 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
     n = num_positions(cfg.seq_len, cfg.num_heads)
     with engine.gathered():
         for i in range(0, len(mine), cfg.micro_batch_size):
-            h, teacher, weights, ids = window_inputs(cfg, model, lm_head, data, hidden,
-                                                     mine[i: i + cfg.micro_batch_size], rt)
+            h, teacher, weights, ids, segments = window_inputs(cfg, model, lm_head, data, hidden,
+                                                               mine[i: i + cfg.micro_batch_size], rt)
             with autocast(cfg, rt):
-                head_logits = model.drafter(h.float() if cfg.precision == "fp32" else h, ids)  # [K, B, T, V']
+                head_logits = model.drafter(h.float() if cfg.precision == "fp32" else h, ids, segments)  # [K, B, T, V']
             got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5), vocab_ids=vocab_ids)
             for k in hits:
                 hits[k] += got[k]

@@ -8,7 +8,8 @@ config class. The speculative loop (:func:`medusa_lite.generate.speculative_gene
 - ``start(ids, hidden)`` after the prompt's forward, ``propose(state, shape, max_depth, sampler)`` each step
   (one :class:`Draft` per batch row), ``commit(state, accepted, hidden, ids)`` after verification (a
   stateful drafter keeps and compacts its own cache there).
-- ``forward(hidden, ids)``: teacher-forced logits for training, ``loss(...)`` its training objective,
+- ``forward(hidden, ids, segments)``: teacher-forced logits for training (``segments``: each position's document,
+  so attention never crosses documents), ``loss(...)`` its training objective,
   ``ranked(...)`` teacher-forced proposals for calibration, ``export_vllm(...)`` its vLLM checkpoint.
 
 Shapes are batch-first with per-row lengths: ``DraftState.ids`` is a list of rows, features are ``[B, ...]``.

@@ -145,7 +145,8 @@ class Eagle3Drafter(PathDrafter):
         """Fill the shape fields left None from the target's (text) config."""
         cfg = text_config(target_config)
         layers = cfg.num_hidden_layers
-        defaults = {"aux_layers": [2, layers // 2, layers - 3] if layers >= 6 else [1, max(layers // 2, 1), layers],
+        small = [min(1, layers - 1), layers // 2, layers - 1]  # tiny targets: still the inputs of three layers
+        defaults = {"aux_layers": [2, layers // 2, layers - 3] if layers >= 6 else small,
                     "num_attention_heads": cfg.num_attention_heads,
                     "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
                     "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -155,6 +156,10 @@ class Eagle3Drafter(PathDrafter):
         for name, value in defaults.items():
             if getattr(config, name, None) is None:
                 setattr(config, name, value)
+        aux = config.aux_layers
+        if len(aux) != 3 or list(aux) != sorted(aux) or not all(0 <= i < layers for i in aux):
+            raise ValueError(f"aux_layers {aux}: three hidden_states indices in increasing order, each in [0, {layers}) "
+                             "(the inputs of those target layers; vLLM collects them in that order)")
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
@@ -190,15 +195,18 @@ class Eagle3Drafter(PathDrafter):
         return self.lm_head(self.norm(prenorm.to(self.norm.weight.dtype)))
 
     # ------------------------------------------------------------------ training
-    def forward(self, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         """Training-time test: features [B, T, 3H] (the aux layers), ids [B, T] -> logits [K, B, T, V'], step k at
-        t scoring the token at t + 2 + k (the heads' convention, so :func:`heads_loss` applies)."""
+        t scoring the token at t + 2 + k (the heads' convention, so :func:`heads_loss` applies). ``segments``
+        [B, T] (document index of each position): attention stays inside a document, as in decoding."""
         cfg, layer = self.config, self.midlayer
         b, t, _ = features.shape
-        hidden = self.fc(features)                                          # [B, T, H]
+        hidden = self.fc(features.to(self.fc.weight.dtype))                 # [B, T, H]
         emb = self.target_embed(ids)                                        # [B, T, H]
         base = torch.arange(t, device=ids.device).expand(b, t)              # [B, T]
-        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None, None]  # [1, 1, T, T]
+        if segments is not None:
+            causal = causal & (segments[:, None, :, None] == segments[:, None, None, :])   # [B, 1, T, T]
         scale = 1.0 / math.sqrt(cfg.head_dim)
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         keys0 = values0 = None
@@ -328,6 +336,8 @@ class Eagle3Drafter(PathDrafter):
 
 def _rope_theta(cfg) -> float:
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3)
+        params = params["full_attention"]
     if isinstance(params, dict) and params.get("rope_theta"):
         return float(params["rope_theta"])
     return float(getattr(cfg, "rope_theta", None) or 10000.0)

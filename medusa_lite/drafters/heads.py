@@ -144,8 +144,9 @@ class HeadsDrafter(Drafter):
         """Teacher-forced: hidden [B, T, H], ids [B, T] -> [K, B, T, H] per-head features."""
         raise NotImplementedError
 
-    def forward(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, H] final-norm states, ids [B, T] -> logits [K, B, T, V'], head k at t scoring t + 2 + k."""
+    def forward(self, hidden: torch.Tensor, ids: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [B, T, H] final-norm states, ids [B, T] -> logits [K, B, T, V'], head k at t scoring t + 2 + k.
+        Heads read one position (and the tokens after it): ``segments`` is not needed."""
         return self.logits(self.features(hidden, ids))
 
     def loss(self, logits, teacher, weights, ids, *, loss="kl", decay=0.8):
