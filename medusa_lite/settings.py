@@ -23,6 +23,13 @@ _NONE = ("none", "null", "~")
 _KEY_VALUE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The scripts' docstrings as written, every setting with its default (unless its help names it)."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
+
+
 class SettingsError(ValueError):
     """An unknown, ill-typed or invalid setting; the message names it."""
 
@@ -83,7 +90,7 @@ class SettingsParser:
 
         self.cls, self.kind, self.default_config = cls, kind, default_config
         self.parser = _Parser(cls, prog=prog, description=description, allow_abbrev=False,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=_HelpFormatter)
         if kind is not None:
             names = ", ".join(shipped_configs(kind)) or "none"
             self.parser.add_argument("--config", default=default_config,
