@@ -24,12 +24,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/medusa-lite demo
 
-# two workers (pytest-xdist): the tests run one torch thread each, so a 2-core machine runs two at once
+# two workers (pytest-xdist) that steal work from each other: the tests run one torch thread each, so a 2-core
+# machine runs two at once and the long Monte Carlo cases spread over both
 test: $(STAMP)
-	$(PY) -m pytest -q -x -n 2 --durations=15
+	$(PY) -m pytest -q -x -n 2 --dist worksteal --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 # on a machine with an NVIDIA GPU (a CUDA build of torch): the CUDA tests and a short CUDA Spec-Bench run (< 8 min)
 gpu-check: $(STAMP)
