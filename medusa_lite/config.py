@@ -80,9 +80,8 @@ class MedusaConfig:
         if not isinstance(self.dtype_trees, dict):
             raise ValueError("MedusaConfig.dtype_trees must map a dtype name ('float32', 'bfloat16') to a tree")
         self.dtype_trees = {str(k): tree_json(parse_tree(v, self.num_heads)) for k, v in self.dtype_trees.items()}
-        if "dynamic" in str(self.tree) + str(self.dtype_trees) and not drafter.dynamic_trees:
-            raise ValueError(f"dynamic trees need a drafter that grows its own tree (Hydra heads, head_type='hydra'); "
-                             f"{self.head_type} proposals do not depend on the path")
+        if "dynamic" in str(self.tree) + str(self.dtype_trees):
+            drafter.require_dynamic_trees()
 
     @property
     def choices(self) -> list[list[int]] | dict:

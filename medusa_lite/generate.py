@@ -138,9 +138,7 @@ class GrownTree:
     """A :data:`Plan` whose tree the drafter grows anew each step within the budget of a :class:`DynamicTree`."""
 
     def __init__(self, drafter: Drafter, tree: DynamicTree):
-        if not drafter.dynamic_trees:
-            raise ValueError(f"dynamic trees need a drafter that grows its own tree (Hydra heads); "
-                             f"{drafter.name} proposals do not depend on the path")
+        drafter.require_dynamic_trees()
         self.drafter, self.tree = drafter, tree
 
     def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:

@@ -69,6 +69,13 @@ class Drafter(nn.Module):
         self.config = config
 
     @classmethod
+    def require_dynamic_trees(cls) -> None:
+        """ValueError unless this drafter can grow its own tree each step (a :class:`DynamicTree`)."""
+        if not cls.dynamic_trees:
+            raise ValueError(f"dynamic trees need a drafter that grows its own tree (Hydra heads, head_type='hydra');"
+                             f" {cls.name} proposals do not depend on the path")
+
+    @classmethod
     def complete_config(cls, config, target_config) -> None:
         """Fill the config's shape fields the user left None from the target's config (before building)."""
 

@@ -177,7 +177,7 @@ class MedusaDrafter(HeadsDrafter):
     def draft_row(self, hidden, ids, shape, max_depth, sampler=None, cache=None) -> Draft:
         """hidden [H]: one call ranks every depth of a static tree at once."""
         if isinstance(shape, DynamicTree):
-            raise ValueError(f"dynamic trees need Hydra heads: {self.name} proposals do not depend on the path")
+            self.require_dynamic_trees()  # raises: Medusa heads cannot grow a tree
         if shape.num_nodes == 1:  # the root alone: nothing to draft
             return Draft(ids[-1:].clone(), shape)
         tokens, proposals = self.fill(hidden, ids, shape, sampler)
