@@ -4,6 +4,7 @@ environment's site-packages (a .pth line), so nothing is downloaded."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -35,7 +36,10 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("install")
     dist = tmp / "dist"
     build = ("import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))")
-    sdist = dist / _run([sys.executable, "-c", build, dist], cwd=ROOT).strip().splitlines()[-1]
+    # the sdist build writes medusa_lite.egg-info into the checkout: one xdist worker at a time
+    with open(tmp_path_factory.getbasetemp().parent / "medusa_lite-sdist.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sdist = dist / _run([sys.executable, "-c", build, dist], cwd=ROOT).strip().splitlines()[-1]
     with tarfile.open(sdist) as tar:
         tar.extractall(tmp / "src", filter="data")
     (source,) = (tmp / "src").iterdir()
