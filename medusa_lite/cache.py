@@ -168,3 +168,95 @@ def extend_cache(cache: DynamicCache, tokens: int, generator: torch.Generator | 
         cache.update(keys, values, i)
     if any(cache.is_recording_past(i) for i in range(len(cache.layers))):
         cache.crop(0)  # sliding layers back to their window
+
+
+# ---------------------------------------------------------------------------- many rows in one cache
+# A batch of sequences shares one DynamicCache of full-attention layers, [B, H, S, D] per layer, with a
+# ``valid`` mask [B, S]: the slots each row attends to. A row's other slots are holes (left padding when
+# rows of different lengths join, tree nodes another row accepted and this one did not). Keys are stored
+# after RoPE at each row's own positions, so where a slot sits physically does not matter: holes are
+# masked, and compacting (moving slots) changes nothing a row sees.
+
+def check_batchable(cache: DynamicCache) -> None:
+    """Raise :class:`UnsupportedCacheError` unless every layer is full attention (sliding layers keep only their
+    window and cannot hold holes: such models decode one row at a time)."""
+    if any(cache.is_sliding):
+        raise UnsupportedCacheError("batched verification needs full-attention layers only: this model has "
+                                    "sliding-window layers, which decode one sequence at a time")
+
+
+def _pad_slots(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, H, S, D] -> [B, H, n + S, D], n zero slots in front."""
+    return torch.nn.functional.pad(x, (0, 0, n, 0)) if n else x
+
+
+def join_rows(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, other_valid: torch.Tensor) -> torch.Tensor:
+    """Append ``other``'s rows to ``cache`` (in place): the shorter side is left-padded with holes.
+    valid: [B, S], other_valid: [B', S'] -> [B + B', max(S, S')]."""
+    s, t = valid.shape[1], other_valid.shape[1]
+    length = max(s, t)
+    for mine, theirs in zip(cache.layers, other.layers):
+        mine.keys = torch.cat([_pad_slots(mine.keys, length - s), _pad_slots(theirs.keys, length - t)])
+        mine.values = torch.cat([_pad_slots(mine.values, length - s), _pad_slots(theirs.values, length - t)])
+    pad = torch.nn.functional.pad
+    return torch.cat([pad(valid, (length - s, 0)), pad(other_valid, (length - t, 0))])
+
+
+def select_rows(cache: DynamicCache, valid: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Keep only ``rows`` ([B'] long) of the cache (in place); returns their valid mask [B', S]."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+    return valid.index_select(0, rows)
+
+
+def keep_accepted_rows(cache: DynamicCache, prefix_len: int, accepted: list[torch.Tensor]) -> torch.Tensor:
+    """Batched :func:`keep_accepted`: row b keeps slots ``[0, prefix_len)`` and its accepted nodes, moved to the
+    front of the step's block; the block is cut to the longest row's A nodes.
+
+    accepted: per row [a_b] long node indices, increasing (root first). Returns [B, A] bool: which of the A new
+    slots each row holds (the others are holes)."""
+    lengths = [int(a.numel()) for a in accepted]
+    width = max(lengths)
+    device = cache.layers[0].keys.device
+    if any(int(a[-1]) != n - 1 for a, n in zip(accepted, lengths)):  # some row accepted a non-first branch
+        index = torch.stack([torch.nn.functional.pad(a, (0, width - n), value=int(a[-1]))
+                             for a, n in zip(accepted, lengths)]).to(device)  # [B, A]
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                x = getattr(layer, name)
+                block = x[:, :, prefix_len:]                                          # [B, H, N, D]
+                gather = index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])  # [B, H, A, D]
+                x[:, :, prefix_len:prefix_len + width] = block.gather(2, gather)
+    for layer in cache.layers:
+        layer.keys = layer.keys[:, :, :prefix_len + width]
+        layer.values = layer.values[:, :, :prefix_len + width]
+    return torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+
+
+def compact_rows(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
+    """Close the holes (in place): every row's held slots move to the end, in order, and the columns no row needs
+    are dropped. valid: [B, S] -> [B, S'] with S' the longest row's held slots."""
+    held = int(valid.sum(dim=1).max())
+    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, valid.shape[1] - held:]  # [B, S']
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            x = getattr(layer, name)
+            setattr(layer, name, x.gather(2, order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])))
+    return valid.gather(1, order)
+
+
+def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of a verify pass over B rows' trees, padded to ``nodes`` tokens: [B, 1, nodes, S + nodes].
+
+    Row b's nodes see the cache slots ``valid[b]`` ([B, S] bool) marks and their own ancestors (its tree's
+    ``ancestor_mask``); padding nodes past its tree see the cache and themselves only, and are never accepted."""
+    batch, slots = valid.shape
+    allowed = torch.zeros(batch, nodes, slots + nodes, dtype=torch.bool, device=valid.device)
+    allowed[:, :, :slots] = valid[:, None, :]
+    allowed[:, :, slots:] = torch.eye(nodes, dtype=torch.bool, device=valid.device)
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        allowed[b, :n, slots:slots + n] = tree.ancestor_mask
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

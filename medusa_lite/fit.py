@@ -187,7 +187,7 @@ class Rung:
 
 
 def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]], draft_seconds: dict[str, float],
-              overhead: float, buckets=BUCKETS, max_rungs: int = MAX_RUNGS) -> list[list[Rung]]:
+              overhead: float, buckets=BUCKETS, max_rungs: int = MAX_RUNGS, batch: int = 1) -> list[list[Rung]]:
     """Per bucket, the ladder of trees for this machine: the (up to ``max_rungs``) candidates predicted faster
     than plain decoding, fastest first, then the root alone, which is always last.
 
@@ -195,20 +195,25 @@ def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]],
     :func:`tree_key`; ``overhead``: the loop's per-step bookkeeping (the same for every tree). Candidates
     with more tree tokens than were measured are left out (the probe stops measuring where no candidate
     could pay). Ties go to the smaller tree. Pure: numbers in, ladders out.
+
+    ``batch``: the rungs of ``batch`` rows verified together: B trees of N nodes are one forward of B x N
+    tokens, drafting and bookkeeping are paid per row, and tokens per step count all rows. As the batch grows
+    the spare compute a tree spends is used by the other rows, so the ladders shrink toward the root alone.
     """
     limit = max_tokens(latency)
     ladders = []
     for bucket, context in enumerate(bucket_contexts(buckets)):
-        plain = Rung(PLAIN, 1.0, latency_at(latency, 1, context) + overhead)
+        plain = Rung(PLAIN, float(batch), latency_at(latency, batch, context) + batch * overhead)
         rungs = []
         for c in candidates:
             if c.tree == PLAIN:
                 continue
             tokens, nodes = c.in_bucket(bucket)
-            if nodes > limit:
+            if batch * nodes > limit:
                 continue
-            step = latency_at(latency, nodes, context) + draft_seconds.get(tree_key(c.tree), 0.0) + overhead
-            rung = Rung(c.tree, tokens, step)
+            step = (latency_at(latency, batch * nodes, context)
+                    + batch * (draft_seconds.get(tree_key(c.tree), 0.0) + overhead))
+            rung = Rung(c.tree, batch * tokens, step)
             if rung.tokens_per_second > plain.tokens_per_second:
                 rungs.append((rung, nodes))
         rungs.sort(key=lambda rn: (-round(rn[0].tokens_per_second, 9), rn[1]))
@@ -323,6 +328,17 @@ class HardwareFit:
     probe_seconds: float = 0.0
     packed_from: int = 0     # verify forwards of this many tree tokens and more (up to the packed rows) use
                              # prepacked GEMM (medusa_lite.kernels); 0: the stock kernels throughout
+    measured: dict = field(default_factory=dict)  # the probe's latency, draft and overhead (to price batches)
+    candidates: list = field(default_factory=list)  # the candidates the ladders were fitted from
+
+    def batch_trees(self, batch: int) -> list:
+        """Per context bucket, the tree predicted fastest for ``batch`` rows verified together (JSON form; ``[]``:
+        no speculation), priced by the same latency model (:func:`fit_trees` with ``batch``)."""
+        if batch == 1 or not self.measured or not self.candidates:
+            return [ladder[0].tree for ladder in self.ladders]
+        ladders = fit_trees(self.candidates, self.measured["latency"], self.measured["draft"],
+                            self.measured["overhead"], self.buckets, batch=batch)
+        return [ladder[0].tree for ladder in ladders]
 
     def summary(self) -> dict:
         """JSON-able: machine, and per bucket the fitted tree with its predicted tokens/s and plain decoding's."""

@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from .cache import keep_accepted, new_cache, tree_attention_mask
+from .cache import (UnsupportedCacheError, batch_attention_mask, check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
+                    new_cache, select_rows, tree_attention_mask)
 from .config import text_config
 from .drafters import Draft, Drafter, DraftState, drafter_features
 from .sampling import build_warpers, target_probs
@@ -216,16 +217,7 @@ def _prefill_kwargs(target) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
 
 
-def _forward(target, stats: GenerationStats, cache_arg: dict, **kwargs):
-    t0 = time.perf_counter()
-    kwargs.update(cache_arg)
-    out = target(use_cache=True, output_hidden_states=True, return_dict=True, **kwargs)
-    stats.target_time += time.perf_counter() - t0
-    stats.target_forwards += 1
-    return out
-
-
-def verify_forward(target, stats: GenerationStats, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers,
+def verify_forward(target, stats: GenerationStats | None, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers,
                    cache_len: int, kernels=None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``.
 
@@ -234,10 +226,15 @@ def verify_forward(target, stats: GenerationStats, cache_arg: dict, tokens: torc
     ``kernels``: a :class:`medusa_lite.kernels.VerifyKernels` (packed GEMM for the sizes where it is faster).
     """
     dtype = target.get_output_embeddings().weight.dtype
+    t0 = time.perf_counter()
     with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
-        return _forward(target, stats, cache_arg, input_ids=tokens[None],
-                        position_ids=(cache_len + buffers.depths)[None],
-                        attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype))
+        out = target(input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
+                     attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype),
+                     use_cache=True, output_hidden_states=True, return_dict=True, **cache_arg)
+    if stats is not None:  # (None: the caller times it)
+        stats.target_time += time.perf_counter() - t0
+        stats.target_forwards += 1
+    return out
 
 
 def context_length(config) -> int | None:
@@ -248,6 +245,253 @@ def context_length(config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One row of a :class:`SpeculativeBatch`: a prompt's continuation and how it chooses, stops and streams.
+
+    ``on_step(tokens, seconds)``: called after every step this row was verified alone, with the tokens the step
+    emitted (accepted + bonus) and its wall time (drafting, verification, commit): how a fitted plan's guard learns.
+    ``batch_plan(B, cache_len)``: the plan for a step verified together with other rows (B > 1), None: ``plan``.
+    """
+
+    prompt: torch.Tensor                                     # [L] long, no padding
+    config: GenerationConfig
+    plan: Plan
+    max_new_tokens: int
+    stopping_criteria: StoppingCriteriaList | None = None
+    generator: torch.Generator | None = None
+    streamer: object = None
+    on_step: Callable[[int, float], None] | None = None
+    batch_plan: Callable[[int, int], Plan | None] | None = None
+    tag: object = None                                       # the caller's handle (e.g. the server's request)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    error: BaseException | None = None                       # set when its streamer raised (e.g. a cancelled request)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.started = time.perf_counter()
+        self.warpers = build_warpers(self.config)
+        self.stopper = _Stopper(self.prompt, self.config, self.max_new_tokens, self.stopping_criteria)
+        self.cache_len = 0  # this row's tokens in the target's cache (its next position)
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return torch.tensor(self.stopper.generated, dtype=torch.long, device=self.prompt.device)
+
+    def ids(self) -> torch.Tensor:
+        """Every token so far, ending in the root: [L + generated]."""
+        return torch.tensor(self.stopper.ids, dtype=torch.long, device=self.prompt.device)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's token at every row of logits [N, V]: argmax, or one draw from the processed distribution."""
+        if not self.config.do_sample:
+            return greedy_choice(logits)
+        return sample_choice(target_probs(logits, self.warpers), self.generator)
+
+    def accept(self, draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [N, V] at the draft's nodes -> (accepted nodes [a+1] long, root first; bonus token [] long)."""
+        tokens, buffers, proposals = draft
+        if not self.config.do_sample:
+            return accept(tokens, greedy_choice(logits), buffers.paths)
+
+        def target_at(node: int) -> torch.Tensor:  # only the walked nodes' rows are processed
+            return target_probs(logits[node: node + 1], self.warpers)[0].double()
+
+        return sample_walk(tokens, buffers.parents, target_at, proposals, self.generator)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only."""
+        kept, self.done = self.stopper.extend(tokens)
+        if self.streamer is not None and kept:
+            try:
+                self.streamer.put(torch.tensor([kept]))
+            except Exception as e:  # noqa: BLE001 - the row's owner decides (speculative_generate re-raises)
+                self.error, self.done = e, True
+
+    def finish(self) -> None:
+        self.done = True
+        self.stats.new_tokens = len(self.stopper.generated)
+        self.stats.wall_time = time.perf_counter() - self.started
+
+
+COMPACT_SLACK = 32  # holes per row tolerated before the batch's cache is compacted (plus a quarter of its slots)
+
+
+class SpeculativeBatch:
+    """Speculative decoding of many sequences at once, rows joining and leaving between steps (continuous batching).
+
+    Each :meth:`step` drafts every row's tree (its own plan, its own depth cap) and verifies all of them in one
+    target forward of B x N tokens; acceptance, stopping, streaming and the cache commit are per row. Rows
+    advance by different amounts, so the shared cache has holes (see the batch functions of
+    :mod:`medusa_lite.cache`): each row has its own positions and attention mask, and the holes are closed
+    when they exceed a quarter of the slots (:func:`~medusa_lite.cache.compact_rows`). A row alone in the batch
+    with no holes takes exactly the batch-1 path (sliding-window layers, packed verify kernels).
+
+    Exact per row: a row's greedy output is its batch-1 output (up to floating-point ties between the batched
+    and the single-row matmuls), and its sampled output has the target's distribution: the tree of a row's step
+    is decided before the step drafts (by the batch size and finished steps), never by that step's draws.
+    """
+
+    def __init__(self, target, drafter: Drafter, kernels=None):
+        self.target, self.drafter, self.kernels = target, drafter, kernels
+        self.rows: list[Sequence] = []
+        self.cache = None
+        self.valid: torch.Tensor | None = None  # [B, S] bool: the cache slots each row attends to
+        self.state: DraftState | None = None
+        self.limit = context_length(target.config)
+        self.cache_key = cache_kwarg(target)
+        self.dtype = target.get_output_embeddings().weight.dtype
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, seq: Sequence) -> bool:
+        """Prefill ``seq``'s prompt (a forward of its own) and let it join the batch for the next step. False when it
+        finished at its first token (or its streamer raised): it does not join, and is finished."""
+        cache = new_cache(self.target)
+        if self.rows:
+            check_batchable(cache)
+        t0 = time.perf_counter()
+        out = self.target(input_ids=seq.prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
+                          **{self.cache_key: cache}, **_prefill_kwargs(self.target))
+        seq.stats.prefill_time = time.perf_counter() - t0
+        seq.stats.target_time += seq.stats.prefill_time
+        seq.stats.target_forwards += 1
+        seq.cache_len = seq.prompt.numel()
+        seq.extend([int(seq.choose(out.logits[0, -1:])[0])])
+        if seq.done:
+            seq.finish()
+            return False
+        state = self.drafter.start([seq.ids()], _read(out, self.drafter))
+        valid = torch.ones(1, seq.cache_len, dtype=torch.bool, device=seq.prompt.device)
+        if self.rows:
+            self.valid = join_rows(self.cache, self.valid, cache, valid)
+            self.state = self.state.join(state)
+        else:
+            self.cache, self.valid, self.state = cache, valid, state
+        self.rows.append(seq)
+        return True
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One step for every row: draft, one verify forward, accept, commit. Returns the rows that finished (their
+        stopping rules, or ``error`` set by their streamer); they have left the batch."""
+        start = time.perf_counter()
+        batch = len(self.rows)
+        drafts = [self._draft(b, seq, batch) for b, seq in enumerate(self.rows)]
+        out, seconds = self._verify(drafts)
+        results = [seq.accept(draft, out.logits[b, :draft.tokens.numel()])
+                   for b, (seq, draft) in enumerate(zip(self.rows, drafts))]
+        self._keep([nodes for nodes, _ in results])
+        staying = []
+        for b, (seq, draft, (nodes, root)) in enumerate(zip(self.rows, drafts, results)):
+            seq.cache_len += nodes.numel()
+            seq.stats.target_time += seconds
+            seq.stats.target_forwards += 1
+            _record(seq.stats, nodes.numel() - 1, draft.buffers)
+            seq.extend(draft.tokens[nodes[1:]].tolist() + [int(root)])
+            if not seq.done:
+                staying.append(b)
+        finished = [seq for seq in self.rows if seq.done]
+        solo = self.rows[0] if batch == 1 else None
+        if staying:
+            features = _read(out, self.drafter)
+            index = torch.tensor(staying, device=features.device)
+            accepted = [results[b][0] for b in staying]
+            self._keep_rows(staying)
+            self.drafter.commit(self.state, accepted, features.index_select(0, index), [s.ids() for s in self.rows])
+            self._compact()
+        else:
+            self._keep_rows([])
+        if solo is not None and solo.on_step is not None:  # a fitted plan's guard learns from steps verified alone
+            solo.on_step(int(results[0][0].numel()), time.perf_counter() - start)
+        for seq in finished:
+            seq.finish()
+        return finished
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        """Take ``seqs`` out of the batch now (e.g. cancelled requests); they are finished as they stand."""
+        leaving = [s for s in self.rows if any(s is x for x in seqs)]
+        self._keep_rows([b for b, s in enumerate(self.rows) if not any(s is x for x in leaving)])
+        self._compact()
+        for seq in leaving:
+            seq.finish()
+
+    # ------------------------------------------------------------------ the pieces of a step
+    def _draft(self, b: int, seq: Sequence, batch: int) -> Draft:
+        max_depth = seq.stopper.remaining - 1
+        if self.limit is not None:
+            max_depth = min(max_depth, self.limit - seq.cache_len - 1)
+        plan = seq.plan
+        if batch > 1 and seq.batch_plan is not None:
+            plan = seq.batch_plan(batch, seq.cache_len) or plan
+        (draft,) = plan(self.state.rows([b]), max_depth)
+        return draft
+
+    def _verify(self, drafts: list[Draft]):
+        """One target forward over every row's tree: (output, seconds)."""
+        cache_arg = {self.cache_key: self.cache}
+        t0 = time.perf_counter()
+        if len(drafts) == 1 and bool(self.valid.all()):  # the batch-1 path (sliding windows, packed kernels)
+            (tokens, buffers, _), = drafts
+            out = verify_forward(self.target, None, cache_arg, tokens, buffers, self.rows[0].cache_len, self.kernels)
+            return out, time.perf_counter() - t0
+        width = max(d.tokens.numel() for d in drafts)
+        pad = torch.nn.functional.pad
+        tokens = torch.stack([pad(d.tokens, (0, width - d.tokens.numel())) for d in drafts])  # [B, N]
+        positions = torch.stack([seq.cache_len + pad(d.buffers.depths, (0, width - d.tokens.numel()))
+                                 for seq, d in zip(self.rows, drafts)])  # [B, N] each row's own positions
+        mask = batch_attention_mask(self.valid, [d.buffers for d in drafts], width, self.dtype)
+        with self.kernels.context(tokens.numel()) if self.kernels is not None else contextlib.nullcontext():
+            out = self.target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                              output_hidden_states=True, return_dict=True, **cache_arg)
+        return out, time.perf_counter() - t0
+
+    def _keep(self, accepted: list[torch.Tensor]) -> None:
+        """Keep each row's accepted nodes in the cache; the step's other nodes are dropped or become holes."""
+        prefix = self.valid.shape[1]
+        if len(accepted) == 1:
+            keep_accepted(self.cache, prefix, accepted[0])
+            block = torch.ones(1, accepted[0].numel(), dtype=torch.bool, device=self.valid.device)
+        else:
+            block = keep_accepted_rows(self.cache, prefix, accepted)
+        self.valid = torch.cat([self.valid, block], dim=1)
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if len(rows) == len(self.rows):
+            return
+        if not rows:
+            self.rows, self.cache, self.valid, self.state = [], None, None, None
+            return
+        self.valid = select_rows(self.cache, self.valid, torch.tensor(rows, device=self.valid.device))
+        self.state = self.state.rows(rows)
+        self.rows = [self.rows[b] for b in rows]
+
+    def _compact(self) -> None:
+        if not self.rows:
+            return
+        held, slots = int(self.valid.sum()), self.valid.numel()
+        if held < slots and (len(self.rows) == 1 or slots > 1.25 * held + COMPACT_SLACK * len(self.rows)):
+            self.valid = compact_rows(self.cache, self.valid)
+
+
+def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
+    """Decode every sequence to its end: all in one batch, or one after another where the model cannot batch
+    (sliding-window layers, :func:`~medusa_lite.cache.check_batchable`)."""
+    try:
+        check_batchable(new_cache(batch.target))
+        together = True
+    except UnsupportedCacheError:
+        together = False
+    for seq in seqs:
+        batch.add(seq)
+        while batch.rows and not together:
+            batch.step()
+    while batch.rows:
+        batch.step()
 
 
 @torch.no_grad()
@@ -266,65 +510,19 @@ def speculative_generate(
     kernels=None,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Generate after ``prompt`` ([L] long, no padding) with ``drafter`` filling the tree ``plan`` picks each
-    step. Returns (new tokens [n] long, stats).
+    step: a :class:`SpeculativeBatch` of one row. Returns (new tokens [n] long, stats).
 
-    ``on_step(tokens, seconds)``: called after every verify step with the tokens it emitted (accepted +
-    bonus) and its wall time (drafting, verification, cache commit): how a fitted drafter's guard learns.
+    ``on_step(tokens, seconds)``: after every verify step (see :class:`Sequence`).
     ``kernels``: :class:`medusa_lite.kernels.VerifyKernels` for the verify forwards (None: the stock kernels).
     """
-    start = time.perf_counter()
-    stats = GenerationStats()
-    device = prompt.device
-    warpers = build_warpers(config)
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:  # [N, V] -> [N]
-        if not config.do_sample:
-            return greedy_choice(logits)
-        return sample_choice(target_probs(logits, warpers), generator)
-
-    stopper = _Stopper(prompt, config, max_new_tokens, stopping_criteria)
-    limit = context_length(target.config)
-    cache = new_cache(target)
-    cache_arg = {cache_kwarg(target): cache}
-
-    out = _forward(target, stats, cache_arg, input_ids=prompt[None], **_prefill_kwargs(target))
-    stats.prefill_time = stats.target_time
-    root = choose(out.logits[0, -1:])[0]
-    cache_len = prompt.numel()
-    kept, done = stopper.extend([int(root)])
-    state = drafter.start([torch.tensor(stopper.ids, device=device)], _read(out, drafter))
-    _push(streamer, kept)
-
-    while not done:
-        step_start = time.perf_counter()
-        max_depth = stopper.remaining - 1
-        if limit is not None:
-            max_depth = min(max_depth, limit - cache_len - 1)
-        (tokens, buffers, proposals), = plan(state, max_depth)  # [N], root first (batch size 1)
-        out = verify_forward(target, stats, cache_arg, tokens, buffers, cache_len, kernels)
-        if config.do_sample:
-            logits = out.logits[0]  # [N, V]; only the walked nodes' rows are processed
-
-            def target_at(node: int) -> torch.Tensor:
-                return target_probs(logits[node: node + 1], warpers)[0].double()
-
-            nodes, root = sample_walk(tokens, buffers.parents, target_at, proposals, generator)  # [a+1], []
-        else:
-            nodes, root = accept(tokens, greedy_choice(out.logits[0]), buffers.paths)  # [a+1], []
-        keep_accepted(cache, cache_len, nodes)
-        cache_len += nodes.numel()
-        _record(stats, nodes.numel() - 1, buffers)
-        kept, done = stopper.extend(tokens[nodes[1:]].tolist() + [int(root)])
-        if not done:
-            drafter.commit(state, [nodes], _read(out, drafter), [torch.tensor(stopper.ids, device=device)])
-        if on_step is not None:
-            on_step(nodes.numel(), time.perf_counter() - step_start)
-        _push(streamer, kept)
-
-    new = torch.tensor(stopper.generated, dtype=torch.long, device=device)
-    stats.new_tokens = new.numel()
-    stats.wall_time = time.perf_counter() - start
-    return new, stats
+    seq = Sequence(prompt, config, plan, max_new_tokens, stopping_criteria, generator, streamer, on_step)
+    batch = SpeculativeBatch(target, drafter, kernels)
+    if batch.add(seq):
+        while batch.rows:
+            batch.step()
+    if seq.error is not None:
+        raise seq.error
+    return seq.new_tokens, seq.stats
 
 
 def _read(out, drafter: Drafter) -> torch.Tensor:
@@ -342,8 +540,3 @@ def _record(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None
         stats.accepted_per_depth.append(0)
     for d in range(accepted):
         stats.accepted_per_depth[d] += 1
-
-
-def _push(streamer, tokens: list[int]) -> None:
-    if streamer is not None and tokens:
-        streamer.put(torch.tensor([tokens]))

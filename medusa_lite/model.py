@@ -18,10 +18,10 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache import check_model
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .fit import AcceptanceTable, HardwareFit, SpeedGuard, fit_trees
+from .fit import AcceptanceTable, HardwareFit, SpeedGuard, bucket_of, fit_trees
 from .drafters import build_drafter, drafter_class, drafter_features
-from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, StaticTree, context_length,
-                       speculative_generate)
+from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree,
+                       context_length, run_batch)
 from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, load_tree, parse_tree, tree_json
 
@@ -101,6 +101,7 @@ class MedusaModel(nn.Module):
         self.drafter = build_drafter(config).to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
         self.drafter.attach(base_model)
         self.last_stats: GenerationStats | None = None
+        self.last_batch_stats: list[GenerationStats] = []
         # hardware fit (medusa_lite.fit): the heads' acceptance table, fits and guards per (sampling, dtype, device)
         self.acceptance: AcceptanceTable | None = None
         self.fit_enabled = os.environ.get("MEDUSA_LITE_FIT", "1").lower() not in ("0", "off", "false", "no")
@@ -226,7 +227,7 @@ class MedusaModel(nn.Module):
         if kernels is not None:
             kernels.prepare()  # pack the weights now: no decoding step (nor the guard's timing) pays for it
         fit = HardwareFit(fingerprint, ladders, tuple(self.acceptance.buckets), hit, measured["seconds"],
-                          measured["packed_from"])
+                          measured["packed_from"], measured, candidates)
         self.use_fit(fit, sample, kernels=kernels)
         return fit
 
@@ -263,14 +264,31 @@ class MedusaModel(nn.Module):
         return FittedPlan(lambda tree: self.plan(parse_tree(tree, self.config.num_heads), sampler), guards,
                           fitted.buckets)
 
+    def _batch_planner(self, sample: bool, sampler: DraftSampler | None, fit: bool | None):
+        """``(batch, cache_len) -> plan`` for steps verified with other rows: the tree the fitted latency model
+        prices best for that batch size (:meth:`HardwareFit.batch_trees`), or None when fitting is off."""
+        if fit is False or (fit is None and not self.fit_enabled):
+            return None
+        fitted = self.fit_hardware(sample)
+        if fitted is None:
+            return None
+        plans: dict[tuple, Any] = {}
+
+        def plan_for(batch: int, cache_len: int):
+            key = (batch, bucket_of(cache_len, fitted.buckets))
+            if key not in plans:
+                tree = fitted.batch_trees(batch)[key[1]]
+                plans[key] = self.plan(parse_tree(tree, self.config.num_heads), sampler)
+            return plans[key]
+
+        return plan_for
+
     # ------------------------------------------------------------------ generate
-    @torch.no_grad()
-    def generate(
+    def sequence(
         self,
-        input_ids: torch.Tensor,
+        prompt: torch.Tensor,
         generation_config: GenerationConfig | None = None,
         *,
-        attention_mask: torch.Tensor | None = None,
         streamer=None,
         stopping_criteria: StoppingCriteriaList | None = None,
         tokenizer=None,
@@ -278,29 +296,19 @@ class MedusaModel(nn.Module):
         fit: bool | None = None,
         generator: torch.Generator | None = None,
         sampled_drafts: bool = True,
+        tag: Any = None,
         **kwargs,
-    ) -> torch.Tensor:
-        """Speculative ``generate`` with transformers' arguments; returns [1, prompt + new] token ids.
-
-        Exact: greedy output equals ``base_model.generate`` (up to floating-point ties) and sampled
-        output has the target's distribution. Stats of the call are in ``self.last_stats``.
-        Supported: batch size 1, greedy or sampling with temperature / top_k / top_p / min_p,
-        ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
-        ``stopping_criteria``, streamers. Anything else raises ``ValueError``.
-        When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
-        accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
-        Without ``tree``, the tree is the one fitted to this machine per context length (heads with an
-        acceptance table, :meth:`fit_hardware`), and an online guard shrinks it, down to no tree, while it does
-        not pay (``last_stats.fitted``); ``fit=False``, or ``MEDUSA_LITE_FIT=0`` unless ``fit=True``: the
-        heads' stored tree.
-        """
+    ) -> Sequence:
+        """One prompt ([L] long, no padding) made ready to decode in a :class:`~medusa_lite.generate.SpeculativeBatch`
+        (what :meth:`generate` runs, and the server's continuous batching): its generation config checked, its
+        stopping criteria, its plan (the fitted tree, or ``tree``) and its plan for batched steps.
+        Arguments as :meth:`generate`; ``ValueError`` for anything medusa_lite cannot honour exactly."""
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
         unused.pop("use_cache", None)
         if unused:
             raise ValueError(f"medusa_lite.generate got unsupported arguments {sorted(unused)}")
         check_supported(config)
-        prompt, prefix = _single_prompt(input_ids, attention_mask)
-        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - input_ids.shape[-1]
+        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.numel()
         if max_new is None or max_new < 1:
             raise ValueError(f"nothing to generate: max_new_tokens={max_new}")
         limit = context_length(self.base_model.config)
@@ -314,44 +322,97 @@ class MedusaModel(nn.Module):
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
-        plan = None
+        plan = batch_plan = None
         if tree is None:
             plan = self._fitted_plan(config.do_sample, sampler, fit)
+            batch_plan = self._batch_planner(config.do_sample, sampler, fit)
         if plan is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
             plan = self.plan(tree, sampler)
         on_step = plan.record if isinstance(plan, FittedPlan) else None
+        return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, batch_plan, tag)
+
+    def decoder(self, sample: bool = False) -> SpeculativeBatch:
+        """An empty :class:`~medusa_lite.generate.SpeculativeBatch` on this model (with its fitted verify kernels)."""
+        return SpeculativeBatch(self.base_model, self.drafter, self._kernels.get(self._fit_key(sample)))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        generation_config: GenerationConfig | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        streamer=None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Speculative ``generate`` with transformers' arguments; returns [B, prompt + new] token ids.
+
+        Exact: greedy output equals ``base_model.generate`` (up to floating-point ties) and sampled
+        output has the target's distribution. Stats of the call are in ``self.last_stats`` (the first row's) and
+        ``self.last_batch_stats`` (every row's).
+        Supported: greedy or sampling with temperature / top_k / top_p / min_p,
+        ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
+        ``stopping_criteria``, streamers (batch size 1, as transformers' streamers). Anything else raises ``ValueError``.
+        Batches: left-padded ``input_ids`` with their ``attention_mask``, as transformers takes them; every row is
+        verified in the same forward and stops on its own (its output equals its batch-1 output; rows that
+        finish first are padded with ``pad_token_id`` on the right). Models with sliding-window layers decode
+        the rows one after another.
+        When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
+        accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
+        Without ``tree``, the tree is the one fitted to this machine per context length (heads with an
+        acceptance table, :meth:`fit_hardware`), and an online guard shrinks it, down to no tree, while it does
+        not pay (``last_stats.fitted``); with several rows it is the tree the latency model prices best for
+        that many rows. ``fit=False``, or ``MEDUSA_LITE_FIT=0`` unless ``fit=True``: the heads' stored tree.
+        Other keyword arguments: :meth:`sequence`.
+        """
+        prompts = _prompts(input_ids, attention_mask)
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError("streamers support batch size 1 only (as transformers' streamers)")
+        seqs = [self.sequence(p, generation_config, streamer=streamer, **kwargs) for p in prompts]
+        sample = seqs[0].config.do_sample
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
-            new, stats = speculative_generate(
-                self.base_model, self.drafter, plan, prompt, config, max_new_tokens=max_new, streamer=streamer,
-                stopping_criteria=criteria, generator=generator, on_step=on_step,
-                kernels=self._kernels.get(self._fit_key(config.do_sample)) if on_step else None)
+            run_batch(self.decoder(sample), seqs)
         finally:
             if streamer is not None:
                 streamer.end()
-        if on_step is not None:
-            stats.fitted = plan.report()
-        self.last_stats = stats
-        return torch.cat([input_ids[0], new.to(input_ids.device)])[None]
+        for seq in seqs:
+            if seq.error is not None:
+                raise seq.error
+            if isinstance(seq.plan, FittedPlan):
+                seq.stats.fitted = seq.plan.report()
+        self.last_batch_stats = [seq.stats for seq in seqs]
+        self.last_stats = seqs[0].stats
+        width = max(seq.stats.new_tokens for seq in seqs)
+        pad = seqs[0].config.pad_token_id
+        if pad is None:
+            eos = seqs[0].config.eos_token_id
+            pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+        out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), int(pad))
+        out[:, :input_ids.shape[1]] = input_ids
+        for b, seq in enumerate(seqs):
+            new = seq.new_tokens.to(input_ids.device)
+            out[b, input_ids.shape[1]: input_ids.shape[1] + new.numel()] = new
+        return out
 
 
-def _single_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """[1, L] ids (+ mask) -> ([L'] unpadded prompt, number of left pad tokens)."""
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """[B, L] ids (+ mask of left padding) -> per row the unpadded prompt [L_b]."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a [batch, length] LongTensor")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"medusa_lite.generate supports batch size 1, got {input_ids.shape[0]}")
-    if input_ids.shape[1] == 0:
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
     if attention_mask is None:
-        return input_ids[0], 0
+        return list(input_ids)
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
-    mask = attention_mask[0].bool()
-    pad = int((~mask).long().cumprod(0).sum())  # leading zeros
-    if not bool(mask[pad:].all()) or pad == mask.numel():
-        raise ValueError("attention_mask may only mask left padding (batch size 1)")
-    return input_ids[0, pad:], pad
-
+    prompts = []
+    for b, mask in enumerate(attention_mask.bool()):
+        pad = int((~mask).long().cumprod(0).sum())  # leading zeros
+        if not bool(mask[pad:].all()) or pad == mask.numel():
+            raise ValueError(f"attention_mask row {b} must mask left padding only and keep at least one token "
+                             "(pad on the left, as for transformers' generate)")
+        prompts.append(input_ids[b, pad:])
+    return prompts

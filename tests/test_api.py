@@ -92,8 +92,8 @@ def test_unsupported_options_raise(model, prompt, kwargs, match):
 
 
 def test_bad_inputs(model, prompt):
-    with pytest.raises(ValueError, match="batch size 1"):
-        model.generate(prompt.repeat(2, 1), max_new_tokens=5)
+    with pytest.raises(ValueError, match="batch size 1"):  # batches are fine (tests/test_batch.py), streamers not
+        model.generate(prompt.repeat(2, 1), max_new_tokens=5, streamer=object())
     with pytest.raises(ValueError, match="empty"):
         model.generate(prompt[:, :0], max_new_tokens=5)
     with pytest.raises(ValueError, match="context length"):

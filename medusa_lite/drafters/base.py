@@ -49,7 +49,18 @@ class DraftState:
 
     ids: list[torch.Tensor]
     hidden: torch.Tensor
-    cache: object = None
+    cache: list | None = None
+
+    def rows(self, index: list[int]) -> "DraftState":
+        """The state of rows ``index`` (shares each row's tensors and cache entry)."""
+        cache = None if self.cache is None else [self.cache[b] for b in index]
+        picked = torch.tensor(index, dtype=torch.long, device=self.hidden.device)
+        return DraftState([self.ids[b] for b in index], self.hidden.index_select(0, picked), cache)
+
+    def join(self, other: "DraftState") -> "DraftState":
+        """This state's rows followed by ``other``'s."""
+        cache = None if self.cache is None and other.cache is None else list(self.cache) + list(other.cache)
+        return DraftState(self.ids + other.ids, torch.cat([self.hidden, other.hidden]), cache)
 
 
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step

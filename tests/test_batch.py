@@ -1,0 +1,218 @@
+"""Batched verification (SpeculativeBatch, generate with B > 1): exact per row, rows joining and leaving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_heads, tiny_model
+from test_sampling import (N_SAMPLES, NEW, PROMPT, VOCAB, _support, _wrong_walk, exact_distribution, make_model,
+                           tv_bound, tv_distance)
+
+import medusa_lite.generate as gen_mod
+from medusa_lite import MedusaConfig, MedusaModel
+from medusa_lite.fit import HardwareFit, Rung
+from medusa_lite.generate import SpeculativeBatch
+
+WIDE = [[0], [1], [2], [3], [0, 0], [1, 0], [0, 1], [2, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]
+DYNAMIC = {"dynamic": {"nodes": 12, "depth": 4, "topk": 3, "expand": 3}}
+
+
+def batch_oracle(references: list[torch.Tensor], num_heads: int, vocab: int):
+    """Drafts for whichever reference (prompt + plain continuation) the row's ids are a prefix of: the true token
+    at a rank that changes with the position (so non-first branches are accepted, moving cache entries) and,
+    at some positions, no true token at all (so rows accept different lengths: holes)."""
+    refs = [r.tolist() for r in references]
+
+    def draft(hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
+        seen = ids.tolist()
+        ref = next(r for r in refs if r[:len(seen)] == seen)
+        n, rows = len(seen), []
+        for k in range(num_heads):
+            true = ref[n + k] if n + k < len(ref) else 0
+            ranks = [(true + 1 + r) % vocab for r in range(topk)]
+            if (3 * n + k) % 7:  # a miss at some depths
+                ranks[(n + k) % topk] = true
+            rows.append(ranks)
+        return torch.tensor(rows, device=ids.device)
+
+    return draft
+
+
+def _prompts(lengths=(12, 5, 9, 3), seed=1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=g) for n in lengths]
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():], mask[b, width - p.numel():] = p, 1
+    return ids, mask
+
+
+def _plain(target, prompt: torch.Tensor, n: int, **gen) -> torch.Tensor:
+    return target.generate(prompt[None], max_new_tokens=n, do_sample=False, **gen)[0, prompt.numel():]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("heads, tree", [("medusa-oracle", WIDE), ("hydra", DYNAMIC), ("hydra", WIDE),
+                                         ("hydra", {"tree": WIDE, "prompt_lookup": 4, "ngram": 1}),
+                                         ("eagle3", DYNAMIC)])
+def test_batch_greedy_equals_solo_and_plain(arch, heads, tree):
+    """Each row of a left-padded batch equals plain decoding of its prompt alone, and its own batch-1 output."""
+    target = tiny_model(arch)
+    prompts = _prompts()
+    refs = [_plain(target, p, 40) for p in prompts]
+    head_type = heads.split("-")[0]
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=4, head_type=head_type, tree=tree)), std=0.5)
+    if heads.endswith("oracle"):
+        model.drafter.draft = batch_oracle([torch.cat([p, r]) for p, r in zip(prompts, refs)], 4, 128)
+    ids, mask = _left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    assert out.shape == (4, ids.shape[1] + 40)
+    steps = [s.tokens_per_step for s in model.last_batch_stats]
+    for b, (p, ref) in enumerate(zip(prompts, refs)):
+        assert torch.equal(out[b, :ids.shape[1]], ids[b])
+        assert torch.equal(out[b, ids.shape[1]:], ref), f"row {b}"
+        solo = model.generate(p[None], max_new_tokens=40, do_sample=False)
+        assert torch.equal(solo[0, p.numel():], ref)
+    if heads.endswith("oracle"):
+        assert max(max(s) for s in steps) >= 3 and min(min(s) for s in steps) == 1  # long and short acceptances
+
+
+def test_rows_join_leave_and_stop_on_their_own():
+    """Rows with their own budgets and EOS, one joining after a few steps, one removed mid-way (a cancelled
+    request), one whose streamer raises: every other row's output is its solo output; memory stays bounded."""
+    target = tiny_model("llama")
+    prompts = _prompts((12, 5, 9, 3, 7, 10))
+    budgets = [40, 6, 33, 40, 25, 40]
+    refs = [_plain(target, p, n) for p, n in zip(prompts, budgets)]
+    eos = int(refs[4][10])  # row 4 stops at its first EOS
+    refs[4] = _plain(target, prompts[4], 25, eos_token_id=eos)
+    model = MedusaModel(target, MedusaConfig(num_heads=4, tree=WIDE))
+    model.drafter.draft = batch_oracle([torch.cat([p, r]) for p, r in zip(prompts, refs)], 4, 128)
+
+    class Boom:
+        def put(self, value):
+            if value.numel() and len(seen) > 2:
+                raise RuntimeError("client went away")
+            seen.append(value)
+
+    seen: list = []
+    seqs = [model.sequence(p, max_new_tokens=n, do_sample=False, eos_token_id=eos if b == 4 else None)
+            for b, (p, n) in enumerate(zip(prompts, budgets))]
+    seqs[5].streamer = Boom()
+    batch = SpeculativeBatch(model.base_model, model.drafter)
+    for seq in seqs[:3] + seqs[4:]:
+        assert batch.add(seq)
+    finished, step = [], 0
+    while batch.rows:
+        finished += batch.step()
+        step += 1
+        if step == 3:
+            assert batch.add(seqs[3])  # joins a running batch, its prompt shorter than the others' caches
+        if step == 5:
+            batch.remove([seqs[2]])  # cancelled: leaves at once
+        if batch.rows:  # bounded: holes never exceed a quarter of the slots plus a little per row
+            held = int(batch.valid.sum())
+            assert batch.valid.numel() <= 1.25 * held + 32 * len(batch.rows) + 4 * 12
+            for seq, row in zip(batch.rows, batch.valid):
+                assert int(row.sum()) == seq.cache_len
+    assert seqs[2].done and seqs[2].stats.new_tokens < budgets[2]
+    assert isinstance(seqs[5].error, RuntimeError)
+    for b in (0, 1, 3, 4):
+        assert torch.equal(seqs[b].new_tokens, refs[b]), f"row {b}"
+    assert seqs[1].stats.new_tokens == 6 and seqs[4].new_tokens[-1] == eos
+
+
+def test_sliding_window_models_decode_rows_one_after_another():
+    from test_architectures import BY_NAME
+
+    target = next(a for a in BY_NAME.values() if a.kwargs.get("sliding_window")).build(seed=0)
+    vocab = target.config.vocab_size
+    prompts = [p % vocab for p in _prompts((12, 5, 9))]
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=4, head_type="hydra", tree=DYNAMIC)), std=0.5)
+    ids, mask = _left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    for b, p in enumerate(prompts):
+        assert torch.equal(out[b, ids.shape[1]:], _plain(target, p, 30)), f"row {b}"
+
+
+def test_batch_trees_shrink_as_the_batch_grows():
+    """B trees of N nodes are one forward of B x N tokens: on a linear-cost machine trees stop paying at B = 4."""
+    from medusa_lite.fit import Candidate
+
+    candidates = [Candidate([], [1.0] * 3, [1.0] * 3, [100] * 3),
+                  Candidate([[0], [0, 0]], [2.0] * 3, [3.0] * 3, [100] * 3),
+                  Candidate([[0]], [1.6] * 3, [2.0] * 3, [100] * 3)]
+    flat_then_linear = {256: {1: 0.010, 2: 0.011, 4: 0.012, 8: 0.024, 16: 0.048, 32: 0.096, 64: 0.192}}
+    measured = {"latency": flat_then_linear, "draft": {}, "overhead": 0.0}
+    fit = HardwareFit({}, [[Rung([[0], [0, 0]], 2.0, 0.012), Rung([], 1.0, 0.01)]] * 3, measured=measured,
+                      candidates=candidates)
+    assert fit.batch_trees(1)[0] == [[0], [0, 0]]   # 2 tokens / 3-token forward: 174 tok/s (plain 100)
+    assert fit.batch_trees(2)[0] == [[0]]           # 2 x 1.6 tokens / 4-token forward: 267 (chain 222, plain 182)
+    assert fit.batch_trees(4)[0] == []              # plain 4 / 4-token forward: 333 beats 267 and 222
+    assert fit.batch_trees(16)[0] == []
+
+
+def _batch_samples(model, n: int, seed: int = 0, **gen) -> list[tuple[int, ...]]:
+    """``n`` samples of the first NEW tokens after PROMPT from batches of 3 PROMPT rows and a row with another
+    prompt that stops after one step (and, every other batch, a PROMPT row that joins after the first step)."""
+    torch.manual_seed(seed)
+    other = torch.tensor([3, 1, 4])
+    samples = []
+    while len(samples) < n:
+        joining = len(samples) % 2 == 0
+        seqs = [model.sequence(PROMPT[0], max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)
+                for _ in range(4 if joining else 3)]
+        early = model.sequence(other, max_new_tokens=2, do_sample=True, eos_token_id=None, **gen)
+        batch = SpeculativeBatch(model.base_model, model.drafter)
+        for seq in seqs[:3] + [early]:
+            batch.add(seq)
+        batch.step()
+        assert early.done
+        if joining:
+            batch.add(seqs[3])
+        while batch.rows:
+            batch.step()
+        samples += [tuple(seq.new_tokens[:NEW].tolist()) for seq in seqs]
+    return samples[:n]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", ["medusa", "eagle3"])  # static trees; a stateful drafter (its cache joins and leaves)
+def test_batched_sampling_matches_target_distribution(heads):
+    from collections import Counter
+
+    model = make_model(heads)
+    gen = {"temperature": 1.0, "top_k": 0}
+    exact = exact_distribution(model, **gen)
+    counts = Counter(_batch_samples(model, N_SAMPLES, **gen))
+    tv, bound = tv_distance(exact, counts, N_SAMPLES), tv_bound(_support(exact), N_SAMPLES)
+    print(f"\nbatched {heads}: TV {tv:.4f}, bound {bound:.4f}")
+    assert tv < bound
+
+
+@pytest.mark.slow
+def test_batched_harness_rejects_a_wrong_rule(monkeypatch):
+    model = make_model()
+    monkeypatch.setattr(gen_mod, "sample_walk", _wrong_walk("residual"))
+    n = 6000
+    exact = exact_distribution(model, temperature=1.0, top_k=0)
+    from collections import Counter
+    counts = Counter(_batch_samples(model, n, temperature=1.0, top_k=0))
+    assert tv_distance(exact, counts, n) > tv_bound(_support(exact), n)
+
+
+def test_generate_batch_errors():
+    model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=2))
+    ids, mask = _left_padded(_prompts((4, 6)))
+    bad = mask.clone()
+    bad[0, -1] = 0
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(ids, attention_mask=bad, max_new_tokens=4)
+    with pytest.raises(ValueError, match="batch size 1"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=object())
+    assert VOCAB == 5
