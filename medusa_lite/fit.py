@@ -197,28 +197,37 @@ def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]],
     could pay). Ties go to the smaller tree. Pure: numbers in, ladders out.
 
     ``batch``: the rungs of ``batch`` rows verified together: B trees of N nodes are one forward of B x N
-    tokens, drafting and bookkeeping are paid per row, and tokens per step count all rows. As the batch grows
+    tokens (N: the widest tree, every row padded to it), drafting and bookkeeping are paid per row. A rung is
+    stated per row (tokens per row and step, step seconds / B), so its tokens/s is the batch's total. As the batch grows
     the spare compute a tree spends is used by the other rows, so the ladders shrink toward the root alone.
     """
     limit = max_tokens(latency)
     ladders = []
     for bucket, context in enumerate(bucket_contexts(buckets)):
-        plain = Rung(PLAIN, float(batch), latency_at(latency, batch, context) + batch * overhead)
+        plain = Rung(PLAIN, 1.0, latency_at(latency, batch, context) / batch + overhead)
         rungs = []
         for c in candidates:
             if c.tree == PLAIN:
                 continue
             tokens, nodes = c.in_bucket(bucket)
+            if batch > 1:  # rows are padded to the widest tree of the step: a lookup branch some row fills is paid by all
+                nodes = max(nodes, _widest(c.tree))
             if batch * nodes > limit:
                 continue
-            step = (latency_at(latency, batch * nodes, context)
-                    + batch * (draft_seconds.get(tree_key(c.tree), 0.0) + overhead))
-            rung = Rung(c.tree, batch * tokens, step)
+            step = latency_at(latency, batch * nodes, context) / batch + draft_seconds.get(tree_key(c.tree), 0.0) + overhead
+            rung = Rung(c.tree, tokens, step)
             if rung.tokens_per_second > plain.tokens_per_second:
                 rungs.append((rung, nodes))
         rungs.sort(key=lambda rn: (-round(rn[0].tokens_per_second, 9), rn[1]))
         ladders.append([r for r, _ in rungs[:max_rungs]] + [plain])
     return ladders
+
+
+def _widest(tree) -> int:
+    """Tree tokens (root included) of ``tree`` (JSON form) when every branch is filled (a lookup branch included)."""
+    from .tree import parse_tree, tree_nodes
+
+    return tree_nodes(parse_tree(tree)) + 1
 
 
 # -------------------------------------------------------------------------------- the online guard
@@ -317,6 +326,34 @@ class CyclingGuard(SpeedGuard):
         self.level = (self.level + 1) % len(self.ladder)
 
 
+class BatchGuards:
+    """The tree of steps that verify B > 1 rows together: per (batch size, context bucket) the ladder
+    :meth:`HardwareFit.batch_ladders` prices, walked by its own guard (``guard(ladder)``, a :class:`SpeedGuard`)
+    on the realized speed of those steps (tokens emitted by all rows / step seconds).
+
+    Exactness as for one row: :meth:`tree` depends only on finished steps, so a step's tree is fixed before
+    any row drafts it."""
+
+    def __init__(self, fit: "HardwareFit", guard=None):
+        self.fit, self.guard = fit, guard or SpeedGuard
+        self._guards: dict[tuple[int, int], SpeedGuard] = {}
+        self._last: SpeedGuard | None = None
+
+    def tree(self, batch: int, context: int):
+        """The tree (JSON form) for the next step of ``batch`` rows whose longest cache holds ``context`` tokens."""
+        key = (batch, bucket_of(context, self.fit.buckets))
+        if key not in self._guards:
+            self._guards[key] = self.guard(self.fit.batch_ladders(batch)[key[1]])
+        self._last = self._guards[key]
+        return self._last.ladder[self._last.rung()].tree
+
+    def record(self, batch: int, tokens: int, seconds: float) -> None:
+        """The step :meth:`tree` was last asked for emitted ``tokens`` (all ``batch`` rows) in ``seconds``; the
+        guard sees it per row, as its ladder states it."""
+        if self._last is not None:
+            self._last.record(tokens / batch, seconds / batch)
+
+
 @dataclass
 class HardwareFit:
     """The trees fitted to this machine: a ladder per context bucket, and where the figures came from."""
@@ -330,15 +367,21 @@ class HardwareFit:
                              # prepacked GEMM (medusa_lite.kernels); 0: the stock kernels throughout
     measured: dict = field(default_factory=dict)  # the probe's latency, draft and overhead (to price batches)
     candidates: list = field(default_factory=list)  # the candidates the ladders were fitted from
+    _batch_ladders: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def batch_ladders(self, batch: int) -> list[list[Rung]]:
+        """Per context bucket, the ladder for ``batch`` rows verified together, priced by the same latency model
+        (:func:`fit_trees` with ``batch``); the fit's own ladders for one row (or a fit without the probe's figures)."""
+        if batch == 1 or not self.measured or not self.candidates:
+            return self.ladders
+        if batch not in self._batch_ladders:
+            self._batch_ladders[batch] = fit_trees(self.candidates, self.measured["latency"], self.measured["draft"],
+                                                   self.measured["overhead"], self.buckets, batch=batch)
+        return self._batch_ladders[batch]
 
     def batch_trees(self, batch: int) -> list:
-        """Per context bucket, the tree predicted fastest for ``batch`` rows verified together (JSON form; ``[]``:
-        no speculation), priced by the same latency model (:func:`fit_trees` with ``batch``)."""
-        if batch == 1 or not self.measured or not self.candidates:
-            return [ladder[0].tree for ladder in self.ladders]
-        ladders = fit_trees(self.candidates, self.measured["latency"], self.measured["draft"],
-                            self.measured["overhead"], self.buckets, batch=batch)
-        return [ladder[0].tree for ladder in ladders]
+        """Per context bucket, the tree predicted fastest for ``batch`` rows (JSON form; ``[]``: no speculation)."""
+        return [ladder[0].tree for ladder in self.batch_ladders(batch)]
 
     def summary(self) -> dict:
         """JSON-able: machine, and per bucket the fitted tree with its predicted tokens/s and plain decoding's."""

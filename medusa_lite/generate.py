@@ -253,7 +253,8 @@ class Sequence:
 
     ``on_step(tokens, seconds)``: called after every step this row was verified alone, with the tokens the step
     emitted (accepted + bonus) and its wall time (drafting, verification, commit): how a fitted plan's guard learns.
-    ``batch_plan(B, cache_len)``: the plan for a step verified together with other rows (B > 1), None: ``plan``.
+    ``plan_for(tree)``: this row's plan of ``tree`` (JSON form), for steps verified together with other rows, whose
+    tree the batch's guards choose (:class:`~medusa_lite.fit.BatchGuards`); None: ``plan`` at every step.
     """
 
     prompt: torch.Tensor                                     # [L] long, no padding
@@ -264,7 +265,7 @@ class Sequence:
     generator: torch.Generator | None = None
     streamer: object = None
     on_step: Callable[[int, float], None] | None = None
-    batch_plan: Callable[[int, int], Plan | None] | None = None
+    plan_for: Callable[[object], Plan] | None = None
     tag: object = None                                       # the caller's handle (e.g. the server's request)
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: BaseException | None = None                       # set when its streamer raised (e.g. a cancelled request)
@@ -314,6 +315,17 @@ class Sequence:
         self.done = True
         self.stats.new_tokens = len(self.stopper.generated)
         self.stats.wall_time = time.perf_counter() - self.started
+        if isinstance(self.plan, FittedPlan):
+            self.stats.fitted = self.plan.report()
+
+
+def first_nodes(draft: Draft, n: int) -> Draft:
+    """The draft's tree cut to its first ``n`` nodes. Nodes come parents first and siblings in rank order, so the cut
+    is a tree and every kept sampled node keeps the siblings its proposal was drawn after: exact, and decided by
+    the budget alone, never by the drafted tokens."""
+    if draft.tokens.numel() <= n:
+        return draft
+    return Draft(draft.tokens[:n], buffers_from_parents(draft.buffers.parents[:n], draft.tokens.device), draft.proposals)
 
 
 COMPACT_SLACK = 32  # holes per row tolerated before the batch's cache is compacted (plus a quarter of its slots)
@@ -334,8 +346,10 @@ class SpeculativeBatch:
     is decided before the step drafts (by the batch size and finished steps), never by that step's draws.
     """
 
-    def __init__(self, target, drafter: Drafter, kernels=None):
+    def __init__(self, target, drafter: Drafter, kernels=None, max_step_tokens: int | None = None, guards=None):
         self.target, self.drafter, self.kernels = target, drafter, kernels
+        self.guards = guards  # BatchGuards: the tree of steps with B > 1 rows (None: each row's own plan)
+        self.max_step_tokens = max_step_tokens  # tree tokens one verify forward may hold, all rows together
         self.rows: list[Sequence] = []
         self.cache = None
         self.valid: torch.Tensor | None = None  # [B, S] bool: the cache slots each row attends to
@@ -381,7 +395,10 @@ class SpeculativeBatch:
         stopping rules, or ``error`` set by their streamer); they have left the batch."""
         start = time.perf_counter()
         batch = len(self.rows)
-        drafts = [self._draft(b, seq, batch) for b, seq in enumerate(self.rows)]
+        tree = None  # decided by finished steps only, before any row drafts
+        if batch > 1 and self.guards is not None:
+            tree = self.guards.tree(batch, max(seq.cache_len for seq in self.rows))
+        drafts = [self._draft(b, seq, batch, tree) for b, seq in enumerate(self.rows)]
         out, seconds = self._verify(drafts)
         results = [seq.accept(draft, out.logits[b, :draft.tokens.numel()])
                    for b, (seq, draft) in enumerate(zip(self.rows, drafts))]
@@ -408,6 +425,8 @@ class SpeculativeBatch:
             self._keep_rows([])
         if solo is not None and solo.on_step is not None:  # a fitted plan's guard learns from steps verified alone
             solo.on_step(int(results[0][0].numel()), time.perf_counter() - start)
+        if tree is not None:
+            self.guards.record(batch, sum(int(nodes.numel()) for nodes, _ in results), time.perf_counter() - start)
         for seq in finished:
             seq.finish()
         return finished
@@ -421,14 +440,14 @@ class SpeculativeBatch:
             seq.finish()
 
     # ------------------------------------------------------------------ the pieces of a step
-    def _draft(self, b: int, seq: Sequence, batch: int) -> Draft:
+    def _draft(self, b: int, seq: Sequence, batch: int, tree) -> Draft:
         max_depth = seq.stopper.remaining - 1
         if self.limit is not None:
             max_depth = min(max_depth, self.limit - seq.cache_len - 1)
-        plan = seq.plan
-        if batch > 1 and seq.batch_plan is not None:
-            plan = seq.batch_plan(batch, seq.cache_len) or plan
+        plan = seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan
         (draft,) = plan(self.state.rows([b]), max_depth)
+        if self.max_step_tokens is not None:
+            draft = first_nodes(draft, max(1, self.max_step_tokens // batch))
         return draft
 
     def _verify(self, drafts: list[Draft]):

@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache import check_model
 from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .fit import AcceptanceTable, HardwareFit, SpeedGuard, bucket_of, fit_trees
+from .fit import AcceptanceTable, BatchGuards, HardwareFit, SpeedGuard, fit_trees, tree_key
 from .drafters import build_drafter, drafter_class, drafter_features
 from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree,
                        context_length, run_batch)
@@ -102,6 +102,7 @@ class MedusaModel(nn.Module):
         self.drafter.attach(base_model)
         self.last_stats: GenerationStats | None = None
         self.last_batch_stats: list[GenerationStats] = []
+        self._batch_guards: dict[tuple, BatchGuards] = {}
         # hardware fit (medusa_lite.fit): the heads' acceptance table, fits and guards per (sampling, dtype, device)
         self.acceptance: AcceptanceTable | None = None
         self.fit_enabled = os.environ.get("MEDUSA_LITE_FIT", "1").lower() not in ("0", "off", "false", "no")
@@ -250,6 +251,7 @@ class MedusaModel(nn.Module):
         key = self._fit_key(sample)
         self._fits[key] = fit
         self._guards[key] = [guard(ladder) for ladder in fit.ladders]
+        self._batch_guards[key] = BatchGuards(fit, guard)
         self._kernels[key] = kernels
 
     def _fitted_plan(self, sample: bool, sampler: DraftSampler | None, fit: bool | None) -> FittedPlan | None:
@@ -264,24 +266,30 @@ class MedusaModel(nn.Module):
         return FittedPlan(lambda tree: self.plan(parse_tree(tree, self.config.num_heads), sampler), guards,
                           fitted.buckets)
 
-    def _batch_planner(self, sample: bool, sampler: DraftSampler | None, fit: bool | None):
-        """``(batch, cache_len) -> plan`` for steps verified with other rows: the tree the fitted latency model
-        prices best for that batch size (:meth:`HardwareFit.batch_trees`), or None when fitting is off."""
+    def _plan_builder(self, sampler: DraftSampler | None):
+        """``tree (JSON form) -> plan`` for one sequence (plans kept per tree), for its batched steps."""
+        plans: dict[str, Any] = {}
+
+        def plan_for(tree):
+            key = tree_key(tree)
+            if key not in plans:
+                plans[key] = self.plan(parse_tree(tree, self.config.num_heads), sampler)
+            return plans[key]
+
+        return plan_for
+
+    def batch_guards(self, sample: bool = False, fit: bool | None = None) -> BatchGuards | None:
+        """The guards choosing the tree of batched steps (:class:`medusa_lite.fit.BatchGuards`, kept across calls
+        per decoding mode), or None when fitting is off or impossible."""
         if fit is False or (fit is None and not self.fit_enabled):
             return None
         fitted = self.fit_hardware(sample)
         if fitted is None:
             return None
-        plans: dict[tuple, Any] = {}
-
-        def plan_for(batch: int, cache_len: int):
-            key = (batch, bucket_of(cache_len, fitted.buckets))
-            if key not in plans:
-                tree = fitted.batch_trees(batch)[key[1]]
-                plans[key] = self.plan(parse_tree(tree, self.config.num_heads), sampler)
-            return plans[key]
-
-        return plan_for
+        key = self._fit_key(sample)
+        if key not in self._batch_guards or self._batch_guards[key].fit is not fitted:
+            self._batch_guards[key] = BatchGuards(fitted)
+        return self._batch_guards[key]
 
     # ------------------------------------------------------------------ generate
     def sequence(
@@ -322,19 +330,21 @@ class MedusaModel(nn.Module):
                 raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
-        plan = batch_plan = None
+        plan = plan_for = None
         if tree is None:
             plan = self._fitted_plan(config.do_sample, sampler, fit)
-            batch_plan = self._batch_planner(config.do_sample, sampler, fit)
+            plan_for = self._plan_builder(sampler) if plan is not None else None
         if plan is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
             plan = self.plan(tree, sampler)
         on_step = plan.record if isinstance(plan, FittedPlan) else None
-        return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, batch_plan, tag)
+        return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag)
 
-    def decoder(self, sample: bool = False) -> SpeculativeBatch:
-        """An empty :class:`~medusa_lite.generate.SpeculativeBatch` on this model (with its fitted verify kernels)."""
-        return SpeculativeBatch(self.base_model, self.drafter, self._kernels.get(self._fit_key(sample)))
+    def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None) -> SpeculativeBatch:
+        """An empty :class:`~medusa_lite.generate.SpeculativeBatch` on this model: its fitted verify kernels, and the
+        guards choosing the tree of batched steps (fitted for ``sample``: rows of the other mode get the same trees)."""
+        return SpeculativeBatch(self.base_model, self.drafter, self._kernels.get(self._fit_key(sample)), max_step_tokens,
+                                self.batch_guards(sample, fit))
 
     @torch.no_grad()
     def generate(
@@ -374,15 +384,13 @@ class MedusaModel(nn.Module):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
-            run_batch(self.decoder(sample), seqs)
+            run_batch(self.decoder(sample, fit=kwargs.get("fit")), seqs)
         finally:
             if streamer is not None:
                 streamer.end()
         for seq in seqs:
             if seq.error is not None:
                 raise seq.error
-            if isinstance(seq.plan, FittedPlan):
-                seq.stats.fitted = seq.plan.report()
         self.last_batch_stats = [seq.stats for seq in seqs]
         self.last_stats = seqs[0].stats
         width = max(seq.stats.new_tokens for seq in seqs)

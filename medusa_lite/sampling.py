@@ -37,7 +37,7 @@ def check_supported(config: GenerationConfig) -> None:
         if value is not None and value != default:
             raise ValueError(
                 f"medusa_lite.generate does not support {name}={value!r}; supported: greedy or sampling "
-                "with temperature, top_k, top_p, min_p (batch size 1)")
+                "with temperature, top_k, top_p, min_p")
 
 
 def build_warpers(config: GenerationConfig) -> LogitsProcessorList:

@@ -9,7 +9,8 @@ default, ``stream_options.include_usage`` for exact token counts). Per concurren
   client tok/s  completion tokens / request wall time, averaged over requests
   total tok/s   all completion tokens / wall time of the level
   tokens/step   1 + accepted / drafts from the server's spec-decode counters over the level
-The server runs one request at a time, so total tok/s stays about flat and TTFT grows with N.
+The server batches concurrent requests (continuous batching, ``max_batch_size``): total tok/s grows with N
+while the batch has room; beyond it requests wait and TTFT grows.
 A tool that reports: nothing here asserts timings.
 """
 
@@ -48,7 +49,7 @@ class LoadtestSettings:
 
     url: str = option("http://127.0.0.1:8000", "server to load")
     spawn: str | None = option(None, "start `medusa-lite serve SPAWN` on a free port instead of using --url")
-    concurrency: Ints = option(Ints((1, 4, 8)), "client counts, one level each")
+    concurrency: Ints = option(Ints((1, 4, 8, 16)), "client counts, one level each")
     requests: int = option(1, "requests per client per level")
     max_tokens: int = option(64, "max_tokens per request")
     temperature: float = option(0.0, "sampling temperature (0: greedy)")

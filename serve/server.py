@@ -3,10 +3,13 @@
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 -> server-sent events in OpenAI's chunk format), ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Scheduling: one request at a time. A single worker thread runs ``MedusaModel.generate`` (batch size 1)
-for the oldest admitted request; up to ``max_queue`` more wait in a FIFO queue and further requests get
-429. A request whose client disconnects is cancelled: a waiting one leaves the queue at once, a running
-one stops at its next decoding step (the streamer raises inside ``generate``).
+Scheduling: continuous batching. One worker thread decodes up to ``max_batch_size`` requests at once
+(:class:`medusa_lite.generate.SpeculativeBatch`): every step verifies all their trees in one target forward;
+between steps finished and cancelled requests leave and waiting ones join. Trees shrink as the batch grows
+(priced by the latency model fitted to this machine, capped at ``max_batched_tokens`` per step). Up to
+``max_queue`` more requests wait in a FIFO queue and further requests get 429 with ``Retry-After``. A request
+whose client disconnects is cancelled: a waiting one leaves the queue at once, a running one leaves the batch
+before the next step.
 
 Settings (``medusa_lite.settings``): defaults < the shipped ``configs/serve/default.yaml`` (or ``--config FILE``)
 < command-line flags.
@@ -40,7 +43,7 @@ from medusa_lite import MedusaModel
 from medusa_lite.generate import GenerationStats, context_length
 from medusa_lite.settings import SettingsParser, option
 from medusa_lite.targets import DEFAULT_TARGET, load_model
-from medusa_lite.tree import tree_nodes
+from medusa_lite.tree import parse_tree, tree_nodes
 
 log = logging.getLogger("medusa_lite.serve")
 
@@ -57,7 +60,10 @@ class Settings:
     dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "target dtype")
     device: str = option("cpu", "cpu or cuda")
     served_model_name: str | None = option(None, "the model id clients send; none: the target's name")
-    max_queue: int = option(16, "requests waiting behind the running one; more get 429")
+    max_queue: int = option(16, "requests waiting while the batch is full; more get 429")
+    max_batch_size: int = option(8, "requests decoded at once (continuous batching); 1: one at a time")
+    max_batched_tokens: int = option(128, "tree tokens one verify step may hold, all rows together (trees are "
+                                          "cut to fit)")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (capped by the context window)")
     max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
     threads: int | None = option(None, "torch intra-op threads; none: torch's default")
@@ -66,6 +72,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         checks = {"port": 0 <= self.port < 65536, "max_queue": self.max_queue >= 0,
+                  "max_batch_size": self.max_batch_size >= 1, "max_batched_tokens": self.max_batched_tokens >= 1,
                   "default_max_tokens": self.default_max_tokens >= 1, "max_body_bytes": self.max_body_bytes >= 1024,
                   "dtype": self.dtype in ("fp32", "bf16", "fp16"), "shutdown_timeout": self.shutdown_timeout >= 0}
         bad = [name for name, ok in checks.items() if not ok]
@@ -163,7 +170,7 @@ def _check_unsupported(req: _Common) -> None:
         neutral = value is None or (value == 1 if name in ("n", "best_of") else not value)
         if not neutral:
             what = "n must be 1: one completion per request" if name == "n" else f"{name}={value!r} is not supported"
-            raise APIError(400, f"{what} (medusa_lite serves batch size 1, greedy or sampling)",
+            raise APIError(400, f"{what} (medusa_lite serves one completion per request, greedy or sampling)",
                            param=name, code="unsupported_parameter")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -257,7 +264,10 @@ class Metrics:
                               buckets=buckets, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last token.", buckets=buckets,
                              registry=r)
-        self.running = Gauge(p + "num_requests_running", "Requests generating (0 or 1).", registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests generating (rows of the running batch).",
+                             registry=r)
+        self.batch_size = Histogram(p + "batch_size", "Rows verified together, per decoding step.",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued.", registry=r)
         # the tree fitted to this machine (medusa_lite.fit): what was chosen, predicted vs realized speed
         fit_labels = ["decoding", "context"]
@@ -325,6 +335,8 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token: float | None = None
+    seq: Any = None          # its row in the running batch (medusa_lite.generate.Sequence), once admitted
+    detok: Any = None
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -399,10 +411,23 @@ class _JobStreamer:
 
 
 class Engine:
-    """Owns the model; admits jobs into a bounded FIFO and runs them one at a time on one thread."""
+    """Owns the model; admits jobs into a bounded FIFO and decodes up to ``max_batch_size`` of them at once on one
+    thread (continuous batching, :class:`medusa_lite.generate.SpeculativeBatch`): between two verify steps,
+    cancelled rows leave and waiting jobs join (each prefilled by a forward of its own); every step verifies all
+    rows' trees in one target forward of at most ``max_batched_tokens`` tree tokens. Each row stops, streams and
+    fails on its own: its output is its solo output whatever the other rows do."""
 
-    def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int):
+    def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 8,
+                 max_batched_tokens: int = 128):
+        from medusa_lite.cache import UnsupportedCacheError, check_batchable, new_cache
+
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
+        self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
+        try:
+            check_batchable(new_cache(model.base_model))
+        except UnsupportedCacheError as e:
+            log.info("one request at a time: %s", e)
+            self.max_batch_size = 1
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
         self.limit = context_length(model.base_model.config)
         eos = model.generation_config.eos_token_id
@@ -412,7 +437,8 @@ class Engine:
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self.running: Job | None = None
+        self.running: list[Job] = []  # the rows of the batch (changed by the worker, under the lock)
+        self.batch = model.decoder(max_step_tokens=max_batched_tokens)
         self._thread = threading.Thread(target=self._loop, name="medusa-worker", daemon=True)
 
     # ---------------------------------------------------------- tokenization (event-loop thread)
@@ -442,7 +468,7 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-            if len(self._pending) >= self.max_queue:
+            if len(self._pending) >= self.max_queue + max(self.max_batch_size - len(self.running), 0):
                 raise APIError(429, f"the server is busy: {len(self._pending)} requests are waiting (max_queue)",
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
             self._pending.append(job)
@@ -450,7 +476,7 @@ class Engine:
             self._cond.notify()
 
     def cancel(self, job: Job) -> None:
-        """Cancel ``job``: a waiting job leaves the queue now, a running one stops at its next step."""
+        """Cancel ``job``: a waiting job leaves the queue now, a running one leaves the batch before the next step."""
         job.cancel.set()
         with self._cond:
             if job in self._pending:
@@ -467,8 +493,8 @@ class Engine:
                 job.emit("error", APIError(503, "the server is shutting down", type="server_error"))
             self._pending.clear()
             self.metrics.waiting.set(0)
-            if self.running is not None:
-                self.running.cancel.set()
+            for job in self.running:
+                job.cancel.set()
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -476,47 +502,85 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closed:
+                while not self._pending and not self.running and not self._closed:
                     self._cond.wait()
-                if self._closed:
+                if self._closed and not self.running:
                     return
-                job = self.running = self._pending.popleft()
+                joining = []
+                while self._pending and len(self.running) + len(joining) < self.max_batch_size:
+                    joining.append(self._pending.popleft())
                 self.metrics.waiting.set(len(self._pending))
-            self.metrics.running.set(1)
-            try:
-                self._run(job)
-            finally:
-                self.metrics.running.set(0)
-                with self._cond:
-                    self.running = None
+            for job in joining:
+                self._join(job)
+            self._leave([job for job in self.running if job.cancel.is_set()], Cancelled())
+            if self.batch.rows:
+                self.metrics.batch_size.observe(len(self.batch.rows))
+                try:
+                    finished = self.batch.step()
+                except Exception as e:  # noqa: BLE001 - the step failed for every row: fail them, keep serving
+                    log.exception("decoding step failed")
+                    self._leave(list(self.running), e)
+                    finished = []
+                for seq in finished:
+                    self._finish(seq.tag)
+            self.metrics.running.set(len(self.running))
 
-    def _run(self, job: Job) -> None:
+    def _join(self, job: Job) -> None:
+        """Prefill ``job`` and add it to the batch (or finish it: its first token was its last, or it is bad)."""
         detok = Detokenizer(self.tok, self.tok_lock, job.stop)
         streamer = _JobStreamer(job, detok, self.metrics)
+        streamer.prompt_seen = True  # the prompt is not streamed back
         kwargs = dict(job.gen_kwargs)
         if job.stop:  # built here, under the lock: the event loop thread tokenizes concurrently
             with self.tok_lock:
                 kwargs["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tok, job.stop)])
-        ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=self.model.device)
+        job.detok = detok
         try:
             if job.cancel.is_set():
                 raise Cancelled
-            out = self.model.generate(ids, max_new_tokens=job.max_tokens, streamer=streamer, **kwargs)
-        except Cancelled:
+            ids = torch.tensor(job.prompt_ids, dtype=torch.long, device=self.model.device)
+            job.seq = self.model.sequence(ids, max_new_tokens=job.max_tokens, streamer=streamer, tag=job, **kwargs)
+            joined = self.batch.add(job.seq)
+        except Exception as e:  # noqa: BLE001 - reported to this request only
+            self._fail(job, e)
+            return
+        if joined:
+            with self._cond:
+                self.running.append(job)
+        else:
+            self._finish(job)
+
+    def _leave(self, jobs: list[Job], error: BaseException) -> None:
+        """Take ``jobs`` out of the batch now (cancelled, or their step failed) and report ``error`` to each."""
+        if not jobs:
+            return
+        self.batch.remove([job.seq for job in jobs])
+        for job in jobs:
+            job.seq.error = error
+            self._finish(job)
+
+    def _fail(self, job: Job, e: BaseException) -> None:
+        if isinstance(e, Cancelled):
             self.metrics.finished.labels(finished_reason="cancelled").inc()
             job.emit("error", APIError(499, "request cancelled", code="cancelled"))
             return
-        except ValueError as e:
-            self.metrics.finished.labels(finished_reason="error").inc()
+        self.metrics.finished.labels(finished_reason="error").inc()
+        if isinstance(e, ValueError):
             job.emit("error", APIError(400, str(e)))
             return
-        except Exception as e:  # keep serving; the client gets a 500 / an error event
-            log.exception("generation failed")
-            self.metrics.finished.labels(finished_reason="error").inc()
-            job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+        log.error("generation failed: %s: %s", type(e).__name__, e)
+        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+
+    def _finish(self, job: Job) -> None:
+        with self._cond:
+            if job in self.running:
+                self.running.remove(job)
+        seq = job.seq
+        if seq.error is not None:
+            self._fail(job, seq.error)
             return
-        stats = self.model.last_stats
-        new = out[0, len(job.prompt_ids):].tolist()
+        stats, detok = seq.stats, job.detok
+        new = seq.stopper.generated
         delta, stopped = detok.finish()
         if stopped or (new and new[-1] in self.eos) or len(new) < job.max_tokens:
             reason = "stop"
@@ -750,7 +814,7 @@ def create_app(engine: Engine, metrics: Metrics, settings: Settings, model_name:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise APIError(400, "one prompt per request (batch size 1)", param="prompt")
+                raise APIError(400, "one prompt per request (send several requests: they are batched)", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             ids = engine.encode(prompt, special=True)
@@ -815,7 +879,16 @@ def main(argv: list[str] | None = None) -> None:
             break
         log.info("tree fitted for %s decoding:\n%s", decoding, fit.report())
         metrics.record_fit(fit, decoding)
-    engine = Engine(model, tokenizer, metrics, settings.max_queue)
+    engine = Engine(model, tokenizer, metrics, settings.max_queue, settings.max_batch_size, settings.max_batched_tokens)
+    log.info("continuous batching: up to %d requests at once, %d tree tokens per step", engine.max_batch_size,
+             settings.max_batched_tokens)
+    for decoding in ("greedy", "sample"):
+        fit = model._fits.get(model._fit_key(decoding == "sample"))
+        sizes = [b for b in (2, 4, 8, 16, 32) if b <= engine.max_batch_size]
+        if fit is not None and sizes:  # the tree per batch size, per context bucket (tree tokens, root included)
+            log.info("%s decoding, tree tokens per row by batch size and context bucket: %s", decoding,
+                     "; ".join(f"B={b}: " + "/".join(str(tree_nodes(parse_tree(t)) + 1) for t in fit.batch_trees(b))
+                               for b in sizes))
     app = create_app(engine, metrics, settings, name)
     # 3. run until SIGINT / SIGTERM; in-flight requests get shutdown_timeout seconds to finish
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,

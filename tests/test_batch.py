@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_heads, tiny_model
-from test_sampling import (N_SAMPLES, NEW, PROMPT, VOCAB, _support, _wrong_walk, exact_distribution, make_model,
+from test_sampling import (N_SAMPLES, NEW, PROMPT, TREE, VOCAB, _support, _wrong_walk, exact_distribution, make_model,
                            tv_bound, tv_distance)
 
 import medusa_lite.generate as gen_mod
@@ -158,23 +158,22 @@ def test_batch_trees_shrink_as_the_batch_grows():
 
 
 def _batch_samples(model, n: int, seed: int = 0, **gen) -> list[tuple[int, ...]]:
-    """``n`` samples of the first NEW tokens after PROMPT from batches of 3 PROMPT rows and a row with another
-    prompt that stops after one step (and, every other batch, a PROMPT row that joins after the first step)."""
+    """``n`` samples of the first NEW tokens after PROMPT from batches of 6 PROMPT rows and a row with another
+    prompt that stops after one step, then a PROMPT row that joins after that step; a budget of 20 tree tokens
+    per step cuts the 7-node trees to 2-3 nodes depending on the rows present."""
     torch.manual_seed(seed)
     other = torch.tensor([3, 1, 4])
     samples = []
     while len(samples) < n:
-        joining = len(samples) % 2 == 0
         seqs = [model.sequence(PROMPT[0], max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)
-                for _ in range(4 if joining else 3)]
+                for _ in range(7)]
         early = model.sequence(other, max_new_tokens=2, do_sample=True, eos_token_id=None, **gen)
-        batch = SpeculativeBatch(model.base_model, model.drafter)
-        for seq in seqs[:3] + [early]:
+        batch = model.decoder(sample=True, max_step_tokens=20)
+        for seq in seqs[:6] + [early]:
             batch.add(seq)
         batch.step()
         assert early.done
-        if joining:
-            batch.add(seqs[3])
+        batch.add(seqs[6])
         while batch.rows:
             batch.step()
         samples += [tuple(seq.new_tokens[:NEW].tolist()) for seq in seqs]
@@ -182,11 +181,19 @@ def _batch_samples(model, n: int, seed: int = 0, **gen) -> list[tuple[int, ...]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heads", ["medusa", "eagle3"])  # static trees; a stateful drafter (its cache joins and leaves)
+@pytest.mark.parametrize("heads", ["medusa", "eagle3", "hydra-adaptive"])
 def test_batched_sampling_matches_target_distribution(heads):
+    """Static trees; a stateful drafter (its cache rows join and leave); batch guards that change the tree every step."""
     from collections import Counter
 
-    model = make_model(heads)
+    from medusa_lite.fit import CyclingGuard
+    from test_fit import restless_fit
+
+    model = make_model(heads.split("-")[0])
+    if heads == "hydra-adaptive":
+        trees = [TREE, {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}},
+                 {"tree": TREE, "prompt_lookup": 3, "ngram": 1}, [[0]], []]
+        model.use_fit(restless_fit(trees), sample=True, guard=CyclingGuard)
     gen = {"temperature": 1.0, "top_k": 0}
     exact = exact_distribution(model, **gen)
     counts = Counter(_batch_samples(model, N_SAMPLES, **gen))

@@ -24,7 +24,8 @@ import medusa_lite.serve.server as server_module
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-MAX_QUEUE = 7        # 1 running + 7 waiting: exactly 8 concurrent clients fit
+MAX_QUEUE = 7        # 4 decoding together + 7 waiting
+MAX_BATCH = 4
 MAX_BODY = 64 * 1024
 CONTEXT = 1024
 LONG_PROMPT = "The quick brown fox"  # greedy continuation has no EOS within 1000 tokens (fixed seed)
@@ -54,6 +55,7 @@ def tiny(tmp_path_factory):
 def server(tiny):
     target_dir, heads_dir, _, _ = tiny
     srv = ServerProcess("--target", str(target_dir), "--heads", str(heads_dir), "--max-queue", str(MAX_QUEUE),
+                        "--max-batch-size", str(MAX_BATCH),
                         "--max-body-bytes", str(MAX_BODY), "--threads", "1", "--shutdown-timeout", "5")
     yield srv
     assert srv.stop() == 0, "graceful shutdown (SIGINT) should exit 0"
@@ -309,27 +311,44 @@ def test_openai_client_raises_typed_errors(client):
     assert client.completions.create(model="target", prompt="hi", max_tokens=2, temperature=0).usage
 
 
-def test_eight_concurrent_streaming_clients(tiny, client):
+def test_eight_concurrent_streaming_clients(tiny, server, client):
+    """Eight streams with their own budgets decoded in batches (continuous batching), next to a client that
+    disconnects mid-stream and a malformed request: every answer equals its solo greedy answer."""
     _, _, _, tok = tiny
     prompts = [f"Hello {i} world" for i in range(8)]
-    want = [reference(tiny, chat_ids(tok, [{"role": "user", "content": p}]), 12)[0] for p in prompts]
+    budgets = [6 + 2 * i for i in range(8)]
+    want = [reference(tiny, chat_ids(tok, [{"role": "user", "content": p}]), n)[0] for p, n in zip(prompts, budgets)]
+    before = httpx.get(server.url + "/metrics").text
     got: dict[int, str] = {}
     errors: list[BaseException] = []
 
     def run(i):
         try:
             stream = client.chat.completions.create(model="target", messages=[{"role": "user", "content": prompts[i]}],
-                                                    max_tokens=12, temperature=0, stream=True)
+                                                    max_tokens=budgets[i], temperature=0, stream=True)
             got[i] = "".join(c.choices[0].delta.content or "" for c in stream)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
+    def leave_early():
+        body = {"prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert len([line for line, _ in zip(r.iter_lines(), range(4)) if line.startswith("data: ")]) >= 1
+
+    def malformed():
+        assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": -3}).status_code == 400
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads += [threading.Thread(target=leave_early), threading.Thread(target=malformed)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors and [got.get(i) for i in range(8)] == want
+    after = _wait_idle(server)
+    steps = metric(after, "medusa_lite:batch_size_count") - metric(before, "medusa_lite:batch_size_count")
+    rows = metric(after, "medusa_lite:batch_size_sum") - metric(before, "medusa_lite:batch_size_sum")
+    assert rows / steps > 1.5  # rows were verified together
 
 
 def _wait_idle(server, timeout=20.0) -> str:
@@ -366,13 +385,13 @@ def test_full_queue_answers_429_and_cancelled_waiters_leave(server, client):
     with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=16)) as http:
         streams, readers = [], []
         try:
-            for i in range(1 + MAX_QUEUE):
+            for i in range(MAX_BATCH + MAX_QUEUE):
                 r = http.send(http.build_request("POST", server.url + "/v1/completions", json=body), stream=True)
                 assert r.status_code == 200
                 streams.append(r)
-                if i == 0:  # the first one is generating before the others queue up
+                if i < MAX_BATCH:  # the batch is full and generating before the others queue up
                     readers.append(r.iter_lines())  # keep it referenced: a collected iterator closes the stream
-                    assert next(line for line in readers[0] if line.startswith("data: "))
+                    assert next(line for line in readers[i] if line.startswith("data: "))
             extra = http.post(server.url + "/v1/completions", json=body)
             assert extra.status_code == 429, extra.text
             assert extra.json()["error"]["code"] == "queue_full" and extra.headers["retry-after"] == "1"
