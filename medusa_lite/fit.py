@@ -329,29 +329,49 @@ class CyclingGuard(SpeedGuard):
 class BatchGuards:
     """The tree of steps that verify B > 1 rows together: per (batch size, context bucket) the ladder
     :meth:`HardwareFit.batch_ladders` prices, walked by its own guard (``guard(ladder)``, a :class:`SpeedGuard`)
-    on the realized speed of those steps (tokens emitted by all rows / step seconds).
+    on the realized speed of those steps (per row: tokens emitted by all rows / B, step seconds / B).
+
+    The batch size changes whenever a request joins or leaves, so what one guard learned is shared: the
+    drafted tokens accepted per step on tree rungs, against what their ladders predicted (the last
+    ``window`` such steps of any batch size). A guard created later starts on the rung that ratio predicts
+    fastest instead of re-learning from the top (on chat text the shipped table's lookup branches are
+    accepted far less than on the calibration's).
 
     Exactness as for one row: :meth:`tree` depends only on finished steps, so a step's tree is fixed before
     any row drafts it."""
 
-    def __init__(self, fit: "HardwareFit", guard=None):
+    def __init__(self, fit: "HardwareFit", guard=None, window: int = 32):
         self.fit, self.guard = fit, guard or SpeedGuard
         self._guards: dict[tuple[int, int], SpeedGuard] = {}
         self._last: SpeedGuard | None = None
+        self._drafted: deque = deque(maxlen=window)  # (predicted, realized) drafted tokens per row, tree rungs
 
     def tree(self, batch: int, context: int):
         """The tree (JSON form) for the next step of ``batch`` rows whose longest cache holds ``context`` tokens."""
         key = (batch, bucket_of(context, self.fit.buckets))
         if key not in self._guards:
-            self._guards[key] = self.guard(self.fit.batch_ladders(batch)[key[1]])
+            guard = self._guards[key] = self.guard(self.fit.batch_ladders(batch)[key[1]])
+            if self._drafted:
+                guard._move(self._best_start(guard.ladder))
         self._last = self._guards[key]
         return self._last.ladder[self._last.rung()].tree
+
+    def _best_start(self, ladder: list[Rung]) -> int:
+        predicted = sum(p for p, _ in self._drafted)
+        acceptance = max(sum(r for _, r in self._drafted), 0.0) / predicted if predicted > 0 else 1.0
+        speeds = [(1.0 + acceptance * (r.tokens_per_step - 1.0)) / r.step_seconds for r in ladder]
+        return max(range(len(ladder)), key=lambda i: (round(speeds[i], 9), -i))
 
     def record(self, batch: int, tokens: int, seconds: float) -> None:
         """The step :meth:`tree` was last asked for emitted ``tokens`` (all ``batch`` rows) in ``seconds``; the
         guard sees it per row, as its ladder states it."""
-        if self._last is not None:
-            self._last.record(tokens / batch, seconds / batch)
+        guard = self._last
+        if guard is None:
+            return
+        rung = guard.ladder[guard.rung()]
+        if rung.tokens_per_step > 1.0:
+            self._drafted.append((rung.tokens_per_step - 1.0, tokens / batch - 1.0))
+        guard.record(tokens / batch, seconds / batch)
 
 
 @dataclass
