@@ -1,4 +1,4 @@
-"""CUDA checks (``make gpu-check``; skipped without a GPU): greedy equality and a Monte Carlo run on the device,
+"""CUDA checks (``make gpu-check``; skipped without a GPU): greedy equality (one row and a batch) and a Monte Carlo run on the device,
 the hardware fit's probe on CUDA, fp32 and bf16."""
 
 from __future__ import annotations
@@ -29,6 +29,23 @@ def test_greedy_equals_plain_on_cuda(dtype, tree):
         ref = target.generate(ids, max_new_tokens=30, do_sample=False)
         out = model.generate(ids, max_new_tokens=30, do_sample=False)
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_greedy_equals_plain_on_cuda(dtype):
+    """A left-padded batch of 4 rows on CUDA: each row equals plain decoding of its prompt alone."""
+    target = tiny_model("llama", dtype=dtype).cuda()
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra")), std=0.5)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (n,), generator=gen).cuda() for n in (10, 4, 7, 12)]
+    ids = torch.zeros(4, 12, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 12 - p.numel():], mask[b, 12 - p.numel():] = p, 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    for b, p in enumerate(prompts):
+        ref = target.generate(p[None], max_new_tokens=30, do_sample=False)[0, p.numel():]
+        assert torch.equal(out[b, 12:], ref), f"row {b}"
 
 
 def test_sampling_matches_target_distribution_on_cuda():
