@@ -365,29 +365,48 @@ class SpeculativeBatch:
     def add(self, seq: Sequence) -> bool:
         """Prefill ``seq``'s prompt (a forward of its own) and let it join the batch for the next step. False when it
         finished at its first token (or its streamer raised): it does not join, and is finished."""
+        return self.add_group([seq])[0]
+
+    @torch.no_grad()
+    def add_group(self, seqs: list[Sequence]) -> list[bool]:
+        """Sequences with one and the same prompt (e.g. ``num_return_sequences`` samples of it) share one prefill
+        forward: each chooses its first token from the prompt's logits (its own draw when sampling), and the
+        prompt's cache row is copied for each. Per sequence: whether it joined (False: finished already)."""
+        prompt = seqs[0].prompt
+        if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
+            raise ValueError("add_group: the sequences' prompts differ")
         cache = new_cache(self.target)
-        if self.rows:
+        if self.rows or len(seqs) > 1:
             check_batchable(cache)
         t0 = time.perf_counter()
-        out = self.target(input_ids=seq.prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
+        out = self.target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
                           **{self.cache_key: cache}, **_prefill_kwargs(self.target))
-        seq.stats.prefill_time = time.perf_counter() - t0
-        seq.stats.target_time += seq.stats.prefill_time
-        seq.stats.target_forwards += 1
-        seq.cache_len = seq.prompt.numel()
-        seq.extend([int(seq.choose(out.logits[0, -1:])[0])])
-        if seq.done:
-            seq.finish()
-            return False
-        state = self.drafter.start([seq.ids()], _read(out, self.drafter))
-        valid = torch.ones(1, seq.cache_len, dtype=torch.bool, device=seq.prompt.device)
+        seconds = time.perf_counter() - t0
+        staying = []
+        for seq in seqs:
+            seq.stats.prefill_time = seconds
+            seq.stats.target_time += seconds
+            seq.stats.target_forwards += 1
+            seq.cache_len = prompt.numel()
+            seq.extend([int(seq.choose(out.logits[0, -1:])[0])])
+            if seq.done:
+                seq.finish()
+            else:
+                staying.append(seq)
+        if not staying:
+            return [False] * len(seqs)
+        features = _read(out, self.drafter)                                    # [1, L, F]
+        state = self.drafter.start([seq.ids() for seq in staying], features.expand(len(staying), -1, -1))
+        valid = torch.ones(1, prompt.numel(), dtype=torch.bool, device=prompt.device)
+        if len(staying) > 1:  # one copy of the prompt's cache row per sequence
+            valid = select_rows(cache, valid, torch.zeros(len(staying), dtype=torch.long, device=prompt.device))
         if self.rows:
             self.valid = join_rows(self.cache, self.valid, cache, valid)
             self.state = self.state.join(state)
         else:
             self.cache, self.valid, self.state = cache, valid, state
-        self.rows.append(seq)
-        return True
+        self.rows.extend(staying)
+        return [not seq.done for seq in seqs]
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -498,17 +517,27 @@ class SpeculativeBatch:
 
 
 def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
-    """Decode every sequence to its end: all in one batch, or one after another where the model cannot batch
-    (sliding-window layers, :func:`~medusa_lite.cache.check_batchable`)."""
+    """Decode every sequence to its end: all in one batch (consecutive sequences with the same prompt share its
+    prefill), or one after another where the model cannot batch (sliding-window layers,
+    :func:`~medusa_lite.cache.check_batchable`)."""
     try:
         check_batchable(new_cache(batch.target))
         together = True
     except UnsupportedCacheError:
         together = False
-    for seq in seqs:
-        batch.add(seq)
-        while batch.rows and not together:
-            batch.step()
+    if not together:
+        for seq in seqs:
+            batch.add(seq)
+            while batch.rows:
+                batch.step()
+        return
+    group: list[Sequence] = []
+    for seq in seqs + [None]:
+        if group and (seq is None or not torch.equal(seq.prompt, group[0].prompt)):
+            batch.add_group(group)
+            group = []
+        if seq is not None:
+            group.append(seq)
     while batch.rows:
         batch.step()
 

@@ -316,6 +316,9 @@ class MedusaModel(nn.Module):
         if unused:
             raise ValueError(f"medusa_lite.generate got unsupported arguments {sorted(unused)}")
         check_supported(config)
+        if (config.num_return_sequences or 1) > 1 and not config.do_sample:
+            raise ValueError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True (greedy decoding "
+                             "returns one sequence per prompt, as in transformers)")
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.numel()
         if max_new is None or max_new < 1:
             raise ValueError(f"nothing to generate: max_new_tokens={max_new}")
@@ -364,6 +367,7 @@ class MedusaModel(nn.Module):
         Supported: greedy or sampling with temperature / top_k / top_p / min_p,
         ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
         ``stopping_criteria``, streamers (batch size 1, as transformers' streamers). Anything else raises ``ValueError``.
+        ``num_return_sequences`` (sampling): that many samples per prompt, in one batch sharing its prefill.
         Batches: left-padded ``input_ids`` with their ``attention_mask``, as transformers takes them; every row is
         verified in the same forward and stops on its own (its output equals its batch-1 output; rows that
         finish first are padded with ``pad_token_id`` on the right). Models with sliding-window layers decode
@@ -380,6 +384,12 @@ class MedusaModel(nn.Module):
         if streamer is not None and len(prompts) > 1:
             raise ValueError("streamers support batch size 1 only (as transformers' streamers)")
         seqs = [self.sequence(p, generation_config, streamer=streamer, **kwargs) for p in prompts]
+        copies = seqs[0].config.num_return_sequences or 1
+        if copies > 1:  # consecutive samples of each prompt, as transformers orders them; they share its prefill
+            if streamer is not None:
+                raise ValueError("streamers support one sequence only (num_return_sequences=1)")
+            seqs = [self.sequence(p, generation_config, **kwargs) for p in prompts for _ in range(copies)]
+            input_ids = input_ids.repeat_interleave(copies, dim=0)
         sample = seqs[0].config.do_sample
         if streamer is not None:
             streamer.put(input_ids.cpu())

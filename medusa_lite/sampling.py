@@ -25,7 +25,7 @@ _UNSUPPORTED = {
     "min_new_tokens": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0, "sequence_bias": None, "suppress_tokens": None,
     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-    "num_return_sequences": 1, "guidance_scale": None, "watermarking_config": None,
+    "guidance_scale": None, "watermarking_config": None,
     "top_h": None, "assistant_model": None, "prompt_lookup_num_tokens": None,
 }
 

@@ -175,22 +175,22 @@ def test_batch_guards_share_what_they_learned_across_batch_sizes():
 
 
 def _batch_samples(model, n: int, seed: int = 0, **gen) -> list[tuple[int, ...]]:
-    """``n`` samples of the first NEW tokens after PROMPT from batches of 6 PROMPT rows and a row with another
-    prompt that stops after one step, then a PROMPT row that joins after that step; a budget of 20 tree tokens
-    per step cuts the 7-node trees to 2-3 nodes depending on the rows present."""
+    """``n`` samples of the first NEW tokens after PROMPT from batches of 12 PROMPT rows (sharing one prefill), a
+    row with another prompt that stops after one step, then a PROMPT row that joins after that step; a budget of
+    40 tree tokens per step cuts the 7-node trees to 3 nodes while 12-13 rows are present, less as rows finish."""
     torch.manual_seed(seed)
     other = torch.tensor([3, 1, 4])
     samples = []
     while len(samples) < n:
         seqs = [model.sequence(PROMPT[0], max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)
-                for _ in range(7)]
+                for _ in range(13)]
         early = model.sequence(other, max_new_tokens=2, do_sample=True, eos_token_id=None, **gen)
-        batch = model.decoder(sample=True, max_step_tokens=20)
-        for seq in seqs[:6] + [early]:
-            batch.add(seq)
+        batch = model.decoder(sample=True, max_step_tokens=40)
+        batch.add_group(seqs[:12])
+        batch.add(early)
         batch.step()
         assert early.done
-        batch.add(seqs[6])
+        batch.add(seqs[12])
         while batch.rows:
             batch.step()
         samples += [tuple(seq.new_tokens[:NEW].tolist()) for seq in seqs]
@@ -228,6 +228,19 @@ def test_batched_harness_rejects_a_wrong_rule(monkeypatch):
     from collections import Counter
     counts = Counter(_batch_samples(model, n, temperature=1.0, top_k=0))
     assert tv_distance(exact, counts, n) > tv_bound(_support(exact), n)
+
+
+def test_num_return_sequences_samples_share_the_prefill():
+    model = random_heads(MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=3, head_type="hydra")), std=0.5)
+    prompt = _prompts((6,))[0][None]
+    out = model.generate(prompt, max_new_tokens=12, do_sample=True, num_return_sequences=5,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape == (5, 18) and all(torch.equal(row[:6], prompt[0]) for row in out)
+    assert len({tuple(row.tolist()) for row in out}) > 1  # independent samples
+    assert all(s.target_forwards == s.verify_steps + 1 for s in model.last_batch_stats)  # one prefill each (shared)
+    again = model.generate(prompt, max_new_tokens=12, do_sample=True, num_return_sequences=5,
+                           generator=torch.Generator().manual_seed(0))
+    assert torch.equal(out, again)
 
 
 def test_generate_batch_errors():
