@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from .cache import (UnsupportedCacheError, batch_attention_mask, check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
+from .cache import (batch_attention_mask, check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
                     new_cache, select_rows, tree_attention_mask)
 from .config import text_config
 from .drafters import Draft, Drafter, DraftState, drafter_features
@@ -357,6 +357,7 @@ class SpeculativeBatch:
         self.limit = context_length(target.config)
         self.cache_key = cache_kwarg(target)
         self.dtype = target.get_output_embeddings().weight.dtype
+        self.batchable = not any(new_cache(target).is_sliding)  # full-attention layers only: rows can share a step
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -376,8 +377,8 @@ class SpeculativeBatch:
         if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
             raise ValueError("add_group: the sequences' prompts differ")
         cache = new_cache(self.target)
-        if self.rows or len(seqs) > 1:
-            check_batchable(cache)
+        if (self.rows or len(seqs) > 1) and not self.batchable:
+            check_batchable(cache)  # raises, naming why
         t0 = time.perf_counter()
         out = self.target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
                           **{self.cache_key: cache}, **_prefill_kwargs(self.target))
@@ -452,8 +453,9 @@ class SpeculativeBatch:
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Take ``seqs`` out of the batch now (e.g. cancelled requests); they are finished as they stand."""
-        leaving = [s for s in self.rows if any(s is x for x in seqs)]
-        self._keep_rows([b for b, s in enumerate(self.rows) if not any(s is x for x in leaving)])
+        gone = {id(seq) for seq in seqs}
+        leaving = [s for s in self.rows if id(s) in gone]
+        self._keep_rows([b for b, s in enumerate(self.rows) if id(s) not in gone])
         self._compact()
         for seq in leaving:
             seq.finish()
@@ -520,12 +522,7 @@ def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
     """Decode every sequence to its end: all in one batch (consecutive sequences with the same prompt share its
     prefill), or one after another where the model cannot batch (sliding-window layers,
     :func:`~medusa_lite.cache.check_batchable`)."""
-    try:
-        check_batchable(new_cache(batch.target))
-        together = True
-    except UnsupportedCacheError:
-        together = False
-    if not together:
+    if not batch.batchable:
         for seq in seqs:
             batch.add(seq)
             while batch.rows:

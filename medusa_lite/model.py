@@ -383,12 +383,14 @@ class MedusaModel(nn.Module):
         prompts = _prompts(input_ids, attention_mask)
         if streamer is not None and len(prompts) > 1:
             raise ValueError("streamers support batch size 1 only (as transformers' streamers)")
-        seqs = [self.sequence(p, generation_config, streamer=streamer, **kwargs) for p in prompts]
-        copies = seqs[0].config.num_return_sequences or 1
-        if copies > 1:  # consecutive samples of each prompt, as transformers orders them; they share its prefill
-            if streamer is not None:
-                raise ValueError("streamers support one sequence only (num_return_sequences=1)")
-            seqs = [self.sequence(p, generation_config, **kwargs) for p in prompts for _ in range(copies)]
+        first = self.sequence(prompts[0], generation_config, streamer=streamer, **kwargs)
+        copies = first.config.num_return_sequences or 1
+        if copies > 1 and streamer is not None:
+            raise ValueError("streamers support one sequence only (num_return_sequences=1)")
+        # consecutive samples of each prompt, as transformers orders them; they share its prefill
+        seqs = [first] + [self.sequence(p, generation_config, **kwargs)
+                          for b, p in enumerate(prompts) for c in range(copies) if b or c]
+        if copies > 1:
             input_ids = input_ids.repeat_interleave(copies, dim=0)
         sample = seqs[0].config.do_sample
         if streamer is not None:

@@ -419,14 +419,11 @@ class Engine:
 
     def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 8,
                  max_batched_tokens: int = 128):
-        from medusa_lite.cache import UnsupportedCacheError, check_batchable, new_cache
-
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
-        try:
-            check_batchable(new_cache(model.base_model))
-        except UnsupportedCacheError as e:
-            log.info("one request at a time: %s", e)
+        self.batch = model.decoder(max_step_tokens=max_batched_tokens)
+        if not self.batch.batchable:
+            log.info("one request at a time: this model has sliding-window layers, which cannot share a batch")
             self.max_batch_size = 1
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
         self.limit = context_length(model.base_model.config)
@@ -438,7 +435,6 @@ class Engine:
         self._cond = threading.Condition()
         self._closed = False
         self.running: list[Job] = []  # the rows of the batch (changed by the worker, under the lock)
-        self.batch = model.decoder(max_step_tokens=max_batched_tokens)
         self._thread = threading.Thread(target=self._loop, name="medusa-worker", daemon=True)
 
     # ---------------------------------------------------------- tokenization (event-loop thread)
