@@ -296,6 +296,29 @@ def test_hydra_heads_with_draft_vocab_train_and_decode(material, tmp_path):
     _greedy_equal(material["target"], heads)
 
 
+def test_resume_on_grown_data_keeps_the_checkpoints_draft_vocabulary(material, tmp_path, capsys):
+    """Data that grew between two runs has other most frequent tokens; the resumed drafter keeps the vocabulary
+    its lm_head rows were trained on, and the teacher projects onto those same tokens."""
+    common = [f"target={material['target']}", "precision=fp32", "head_type=hydra", "draft_vocab=40", "seq_len=32",
+              "max_steps=4", "log_every=1", "eval_samples=4", "progress=false", "lr=1e-2", "warmup_steps=1"]
+    grown = write_chat_jsonl(tmp_path / "grown.jsonl", n=200, seed=7)
+
+    def ids(out):
+        return load_file(str(Path(out["heads_dir"]) / "heads.safetensors"))["draft_ids"]
+
+    first = main([*common, f"data={material['data']}", f"output_dir={tmp_path / 'first'}"])
+    alone = main([*common, f"data={grown}", f"output_dir={tmp_path / 'alone'}"])
+    assert not torch.equal(ids(first), ids(alone))  # the grown data alone chooses other tokens
+    main([*common, f"data={material['data']}", f"output_dir={tmp_path / 'run'}", "max_steps_this_run=2"])
+    capsys.readouterr()
+    resumed = main([*common, f"data={grown}", f"output_dir={tmp_path / 'run'}"])
+    assert "keeping the checkpoint's draft vocabulary" in capsys.readouterr().out
+    assert torch.equal(ids(resumed), ids(first))
+    coverage = [json.loads((Path(o["heads_dir"]) / "medusa_config.json").read_text())["training"]
+                ["draft_vocab_coverage"] for o in (resumed, alone)]
+    assert coverage[0] < coverage[1]  # the teacher's rows are the checkpoint's tokens, not the grown data's top 40
+
+
 @pytest.mark.parametrize("cache_features", [True, False])
 def test_eagle3_trains_through_the_same_entry_point_and_decodes(material, tmp_path, cache_features):
     """An EAGLE-3 drafter: three target layers cached (or run live), training-time test over num_heads steps,

@@ -334,17 +334,30 @@ def load_deepspeed_config(cfg: TrainConfig, rt: Runtime) -> dict[str, Any]:
     return ds
 
 
-def training_projection(cfg: TrainConfig, model, data: D.TokenData) -> torch.nn.Module:
-    """The vocabulary projection used in training: the target's lm_head, or its rows for the
-    ``draft_vocab`` most frequent trained tokens (a frozen [V', H] slice; teacher and heads both use it).
-    Those token ids are stored in the heads (``draft_ids``): decoding proposes from the same rows."""
+def choose_draft_vocabulary(cfg: TrainConfig, model, data: D.TokenData) -> None:
+    """A fresh run's draft vocabulary: the ``draft_vocab`` most frequent trained tokens, stored in the heads
+    (``draft_ids``: decoding proposes from the same rows); the drafter's lm_head starts from their target rows.
+    A resumed run keeps its checkpoint's (:func:`run`)."""
+    if model.config.draft_vocab_size is None:
+        return
+    keep = trained_token_counts(model, data).topk(cfg.draft_vocab).indices.sort().values  # [V']
+    model.drafter.draft_ids.copy_(keep.to(model.drafter.draft_ids.device))
+    model.drafter.vocabulary_changed()
+
+
+def trained_token_counts(model, data: D.TokenData) -> torch.Tensor:
+    """[V] how often each target token is trained on."""
+    vocab = model.base_model.get_output_embeddings().weight.shape[0]
+    return torch.bincount(data.ids[data.mask.bool()], minlength=vocab)
+
+
+def training_projection(model, data: D.TokenData) -> torch.nn.Module:
+    """The vocabulary projection used in training: the target's lm_head, or its frozen [V', H] rows for the
+    drafter's ``draft_ids`` (teacher and drafter both use it), with ``coverage``: their share of trained tokens."""
     lm_head = model.base_model.get_output_embeddings()
     if model.config.draft_vocab_size is None:
         return lm_head
-    counts = torch.bincount(data.ids[data.mask.bool()], minlength=lm_head.weight.shape[0])
-    keep = counts.topk(cfg.draft_vocab).indices.sort().values                  # [V']
-    model.drafter.draft_ids.copy_(keep.to(model.drafter.draft_ids.device))
-    model.drafter.vocabulary_changed()
+    keep = model.drafter.draft_ids.to(lm_head.weight.device)
     proj = torch.nn.Linear(lm_head.weight.shape[1], len(keep), bias=lm_head.bias is not None,
                            device=lm_head.weight.device, dtype=lm_head.weight.dtype)
     with torch.no_grad():
@@ -352,7 +365,8 @@ def training_projection(cfg: TrainConfig, model, data: D.TokenData) -> torch.nn.
         if lm_head.bias is not None:
             proj.bias.copy_(lm_head.bias[keep])
     proj.requires_grad_(False)
-    proj.coverage = float(counts[keep].sum() / counts.sum().clamp(min=1))
+    counts = trained_token_counts(model, data)
+    proj.coverage = float(counts[keep.cpu()].sum() / counts.sum().clamp(min=1))
     return proj
 
 
@@ -541,18 +555,27 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
             "top5": [round(float(x), 4) for x in hits[5] / c]}
 
 
-def run(cfg: TrainConfig, model, proj, engine: Engine, train_data, train_hidden, rt: Runtime) -> dict[str, Any]:
+def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: Runtime) -> dict[str, Any]:
     """The training loop with resume, checkpoints, JSONL log and progress bar; returns run statistics."""
     from tqdm import tqdm
 
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
+    chosen = getattr(model.drafter, "draft_ids", None)
+    chosen = None if chosen is None else chosen.clone()
     state = engine.load_checkpoint(ckpt_dir) if cfg.resume else None
     step = int(state["step"]) if state else 0
     tokens = int(state["tokens"]) if state else 0
     elapsed = float(state["train_seconds"]) if state else 0.0
     if state:
         log0(rt, f"resumed from {ckpt_dir} at step {step}")
+    proj = training_projection(model, train_data)  # after the checkpoint: its draft_ids are what the drafter knows
+    if chosen is not None and not torch.equal(chosen, model.drafter.draft_ids):
+        changed = len(set(chosen.tolist()) - set(model.drafter.draft_ids.tolist()))
+        log0(rt, f"resume: keeping the checkpoint's draft vocabulary ({changed} of its {chosen.numel()} tokens are not "
+                 f"among this data's most frequent; they cover {proj.coverage:.4f} of its trained tokens)")
+    elif proj is not model.base_model.get_output_embeddings():
+        log0(rt, f"draft vocabulary: {proj.out_features} tokens cover {proj.coverage:.4f} of trained tokens")
     batches = Batches(D.make_windows(train_data, seq_len=cfg.seq_len, num_heads=cfg.num_heads), cfg, rt)
     stop = cfg.max_steps if cfg.max_steps_this_run is None else min(cfg.max_steps, step + cfg.max_steps_this_run)
     log_file = (out / "train_log.jsonl").open("a") if rt.rank == 0 else None
@@ -599,7 +622,8 @@ def run(cfg: TrainConfig, model, proj, engine: Engine, train_data, train_hidden,
     this_run = time.time() - t_start
     return {"step": step, "tokens": tokens, "train_seconds": elapsed + this_run, "this_run_seconds": this_run,
             "this_run_steps": step - (int(state["step"]) if state else 0),
-            "positions_per_step": positions_per_step, "finished": finished}
+            "positions_per_step": positions_per_step, "finished": finished,
+            "draft_vocab_coverage": getattr(proj, "coverage", None)}
 
 
 # ================================================================================================ save
@@ -703,12 +727,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_hidden = cached_features(cfg, model, train_data, rt, "train") if cfg.cache_features else None
     eval_hidden = cached_features(cfg, model, eval_data, rt, "eval") \
         if cfg.cache_features and eval_data else None
-    proj = training_projection(cfg, model, train_data)
-    if proj is not model.base_model.get_output_embeddings():
-        log0(rt, f"draft vocabulary: {proj.out_features} tokens cover {proj.coverage:.4f} of trained tokens")
+    choose_draft_vocabulary(cfg, model, train_data)
     engine = Engine(cfg, model.drafter, rt)
     # --- run
-    stats = run(cfg, model, proj, engine, train_data, train_hidden, rt)
+    stats = run(cfg, model, engine, train_data, train_hidden, rt)
     if not stats["finished"]:
         log0(rt, f"stopped at step {stats['step']} of {cfg.max_steps} (max_steps_this_run); resume to finish")
         leave(rt)
@@ -725,7 +747,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
         "hardware": hardware(), "world_size": rt.world,
         "engine": f"deepspeed ZeRO-{engine.zero_stage}",
-        "command": launch_command(rt, argv), "draft_vocab_coverage": getattr(proj, "coverage", None),
+        "command": launch_command(rt, argv), "draft_vocab_coverage": stats["draft_vocab_coverage"],
         "eval": metrics, "config": dataclasses.asdict(cfg),
     }
     heads_dir = save_heads(cfg, model, engine, rt, provenance)
