@@ -319,6 +319,27 @@ def test_resume_on_grown_data_keeps_the_checkpoints_draft_vocabulary(material, t
     assert coverage[0] < coverage[1]  # the teacher's rows are the checkpoint's tokens, not the grown data's top 40
 
 
+def test_eval_data_holds_out_its_documents_even_when_data_contains_them(material, tmp_path, capsys):
+    """``eval_data``: the held-out set comes from its own file (a metric that stays put as data grows); records of it
+    that data also holds are not trained on."""
+    lines = [x for x in material["data"].read_text().splitlines()[:60]]
+    extra = write_chat_jsonl(tmp_path / "extra.jsonl", n=3, seed=11).read_text().splitlines()
+    held = tmp_path / "held.jsonl"
+    held.write_text("\n".join(lines[:5] + extra) + "\n")
+    out = main([f"target={material['target']}", f"data={material['data']}", f"eval_data={held}", "eval_samples=6",
+                "precision=fp32", "seq_len=32", "max_steps=2", "progress=false", f"output_dir={tmp_path / 'run'}"])
+    log = capsys.readouterr().out
+    summary = json.loads((Path(out["heads_dir"]) / "medusa_config.json").read_text())["training"]["data"]
+    assert summary["eval_docs"] == 6 and summary["eval_data"] == str(held)
+    overlap = int(log.split(" record(s) of data are held out")[0].rsplit("data: ", 1)[1])
+    assert 1 <= overlap <= 5 and summary["train_docs"] == 60 - overlap  # the 60 valid records of data, less those
+    with pytest.raises(ValueError, match="no valid record"):
+        empty = tmp_path / "empty.jsonl"
+        empty.write_text('{"messages": []}\n')
+        main([f"target={material['target']}", f"data={material['data']}", f"eval_data={empty}", "precision=fp32",
+              "max_steps=1", "progress=false", f"output_dir={tmp_path / 'bad'}"])
+
+
 @pytest.mark.parametrize("cache_features", [True, False])
 def test_eagle3_trains_through_the_same_entry_point_and_decodes(material, tmp_path, cache_features):
     """An EAGLE-3 drafter: three target layers cached (or run live), training-time test over num_heads steps,

@@ -52,6 +52,9 @@ class TrainConfig:
     data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"})")
     max_samples: int | None = option(2000, "documents used for training, after a seeded shuffle (none: all)")
     eval_samples: int = option(50, "held-out documents (disjoint from training)")
+    eval_data: str | None = option(None, "held-out documents from this .json / .jsonl file (the first eval_samples "
+                                         "after the seeded shuffle; none: from data): a metric that stays comparable "
+                                         "when data grows")
     max_doc_len: int = option(1024, "documents are truncated to this many tokens")
     seq_len: int = option(256, "training window length")
     num_proc: int | None = option(None, "datasets.map workers")
@@ -203,16 +206,27 @@ def _draft_vocab_size(cfg: TrainConfig, target) -> int | None:
 def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D.TokenData, dict[str, Any]]:
     """(train, held-out) token streams and a summary of what was read."""
     path = D.resolve_data_path(cfg.data)
-    limit = None if cfg.max_samples is None else cfg.max_samples + cfg.eval_samples
+    own_eval = 0 if cfg.eval_data else cfg.eval_samples
+    limit = None if cfg.max_samples is None else cfg.max_samples + own_eval
     records, skipped = D.read_records(path, limit=limit, seed=cfg.seed)
-    if len(records) <= cfg.eval_samples:
-        raise ValueError(f"{path}: {len(records)} valid records, need more than eval_samples={cfg.eval_samples}")
+    if len(records) <= own_eval:
+        raise ValueError(f"{path}: {len(records)} valid records, need more than "
+                         + (f"eval_samples={cfg.eval_samples}" if own_eval else "none"))
     if skipped:
         log0(rt, f"data: skipped {sum(skipped.values())} malformed record(s): {dict(skipped)}")
-    held, train = records[: cfg.eval_samples], records[cfg.eval_samples:]
+    held, train = records[:own_eval], records[own_eval:]
+    if cfg.eval_data:
+        held, eval_skipped = D.read_records(D.resolve_data_path(cfg.eval_data), limit=cfg.eval_samples, seed=cfg.seed)
+        if not held:
+            raise ValueError(f"eval_data {cfg.eval_data}: no valid record ({dict(eval_skipped)})")
+        seen = {json.dumps(r, sort_keys=True) for r in held}
+        kept = [r for r in train if json.dumps(r, sort_keys=True) not in seen]
+        if len(kept) < len(train):
+            log0(rt, f"data: {len(train) - len(kept)} record(s) of data are held out in eval_data; not trained on")
+        train = kept
     train_data = D.build_token_data(tokenizer, train, max_len=cfg.max_doc_len, num_proc=cfg.num_proc)
     eval_data = D.build_token_data(tokenizer, held, max_len=cfg.max_doc_len) if held else None
-    summary = {"data": cfg.data, "path": str(path), "train_docs": train_data.num_docs,
+    summary = {"data": cfg.data, "path": str(path), "eval_data": cfg.eval_data, "train_docs": train_data.num_docs,
                "train_tokens": int(train_data.ids.numel()), "train_loss_tokens": train_data.num_loss_tokens,
                "eval_docs": eval_data.num_docs if eval_data else 0,
                "eval_loss_tokens": eval_data.num_loss_tokens if eval_data else 0,
