@@ -301,7 +301,8 @@ def test_resume_on_grown_data_keeps_the_checkpoints_draft_vocabulary(material, t
     its lm_head rows were trained on, and the teacher projects onto those same tokens."""
     common = [f"target={material['target']}", "precision=fp32", "head_type=hydra", "draft_vocab=40", "seq_len=32",
               "max_steps=4", "log_every=1", "eval_samples=4", "progress=false", "lr=1e-2", "warmup_steps=1"]
-    grown = write_chat_jsonl(tmp_path / "grown.jsonl", n=200, seed=7)
+    grown = tmp_path / "grown.jsonl"  # the first data and 140 new documents
+    grown.write_text(material["data"].read_text() + write_chat_jsonl(tmp_path / "new.jsonl", n=140, seed=7).read_text())
 
     def ids(out):
         return load_file(str(Path(out["heads_dir"]) / "heads.safetensors"))["draft_ids"]
@@ -312,7 +313,13 @@ def test_resume_on_grown_data_keeps_the_checkpoints_draft_vocabulary(material, t
     main([*common, f"data={material['data']}", f"output_dir={tmp_path / 'run'}", "max_steps_this_run=2"])
     capsys.readouterr()
     resumed = main([*common, f"data={grown}", f"output_dir={tmp_path / 'run'}"])
-    assert "keeping the checkpoint's draft vocabulary" in capsys.readouterr().out
+    log = capsys.readouterr().out
+    assert "keeping the checkpoint's draft vocabulary" in log
+    reused = int(log.split(" documents reused from")[0].rsplit(", ", 1)[1].split(" of ")[0])
+    assert reused > 30  # the first data's training documents (less those the new shuffle holds out)
+    features = [load_file(str(tmp_path / run / "features" / "train.safetensors")) for run in ("run", "alone")]
+    assert torch.equal(features[0]["ids"], features[1]["ids"])  # same data, same split
+    torch.testing.assert_close(features[0]["hidden"].float(), features[1]["hidden"].float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(ids(resumed), ids(first))
     coverage = [json.loads((Path(o["heads_dir"]) / "medusa_config.json").read_text())["training"]
                 ["draft_vocab_coverage"] for o in (resumed, alone)]

@@ -263,16 +263,21 @@ def target_features(target, input_ids: torch.Tensor, layers: tuple[int, ...],
 
 @torch.no_grad()
 def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, ...] = (-1,), *,
-                     tokens_per_batch: int = 4096, desc: str = "features", progress: bool = True) -> torch.Tensor:
+                     tokens_per_batch: int = 4096, desc: str = "features", progress: bool = True,
+                     known: dict[bytes, torch.Tensor] | None = None) -> torch.Tensor:
     """Hidden states of ``layers`` [N, len(layers) * H] (bf16) of every document, each run with its own full context.
 
     Documents are length-bucketed (sorted) into batches of about ``tokens_per_batch`` tokens; with
-    several ranks each computes a share and the shares are all-gathered.
+    several ranks each computes a share and the shares are all-gathered. ``known``: features of documents
+    computed before (:func:`document_key` -> [n, F]), copied instead of computed.
     """
     from tqdm import tqdm
 
     slices = data.doc_slices()
-    mine = list(range(rt.rank, len(slices), rt.world))
+    known = known or {}
+    reused = [d for d, (s, e) in enumerate(slices) if document_key(data.ids[s:e]) in known]
+    todo = sorted(set(range(len(slices))) - set(reused))
+    mine = todo[rt.rank::rt.world]
     mine.sort(key=lambda i: slices[i][1] - slices[i][0])
     hidden = torch.zeros(int(data.ids.numel()), len(layers) * target.config.get_text_config().hidden_size,
                          dtype=torch.bfloat16)
@@ -306,7 +311,23 @@ def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, 
         gathered = hidden.float()
         dist.all_reduce(gathered)
         hidden = gathered.to(torch.bfloat16)
+    for d in reused:
+        s, e = slices[d]
+        hidden[s:e] = known[document_key(data.ids[s:e])]
     return hidden
+
+
+def document_key(ids: torch.Tensor) -> bytes:
+    """A document's identity for the feature cache: its token ids."""
+    return ids.to(torch.int64).numpy().tobytes()
+
+
+def known_features(state: dict[str, torch.Tensor]) -> dict[bytes, torch.Tensor]:
+    """The documents of a feature cache file (:func:`cached_features`), by :func:`document_key`."""
+    if "segments" not in state:  # written before the cache kept document bounds: nothing to match by
+        return {}
+    old = D.TokenData(state["ids"], torch.ones_like(state["ids"]), state["segments"], 0)
+    return {document_key(state["ids"][s:e]): state["hidden"][s:e] for s, e in old.doc_slices()}
 
 
 def cached_features(cfg: TrainConfig, model, data: D.TokenData, rt: Runtime, name: str) -> torch.Tensor:
@@ -316,19 +337,28 @@ def cached_features(cfg: TrainConfig, model, data: D.TokenData, rt: Runtime, nam
 
     layers = torch.tensor(feature_layers(model.drafter))
     path = Path(cfg.output_dir) / "features" / f"{name}.safetensors"
+    known = {}
     if path.is_file():
         state = load_file(str(path))
-        if torch.equal(state["ids"], data.ids) and torch.equal(state.get("layers", torch.tensor([-1])), layers):
-            log0(rt, f"features: reusing {path}")
-            return state["hidden"]
+        if torch.equal(state.get("layers", torch.tensor([-1])), layers):
+            if torch.equal(state["ids"], data.ids):
+                log0(rt, f"features: reusing {path}")
+                return state["hidden"]
+            known = known_features(state)  # the data changed (e.g. grew): keep the documents it still holds
+        del state
     t0 = time.time()
     hidden = compute_features(model.base_model, data, rt, tuple(layers.tolist()), desc=f"features[{name}]",
-                              progress=cfg.progress)
-    log0(rt, f"features[{name}]: {hidden.shape[0]} tokens in {time.time() - t0:.0f}s "
-             f"({hidden.shape[0] / (time.time() - t0):.0f} tok/s)")
+                              progress=cfg.progress, known=known)
+    reused = sum(1 for s, e in data.doc_slices() if document_key(data.ids[s:e]) in known)
+    log0(rt, f"features[{name}]: {hidden.shape[0]} tokens in {time.time() - t0:.0f}s"
+             + (f", {reused} of {data.num_docs} documents reused from {path}" if reused else ""))
+    del known
     if rt.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"hidden": hidden.contiguous(), "ids": data.ids, "layers": layers}, str(path))
+        tmp = path.with_suffix(".tmp")
+        save_file({"hidden": hidden.contiguous(), "ids": data.ids, "segments": data.segments, "layers": layers},
+                  str(tmp))
+        tmp.replace(path)  # an interrupted write leaves the previous cache, never half a file
     barrier(rt)
     return hidden
 
