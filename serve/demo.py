@@ -27,6 +27,8 @@ class DemoSettings:
     max_new_tokens: int = option(128, "new tokens per prompt")
     heads: str | None = option(None, "heads directory (default: the bundled heads)")
     fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
+    threads: int | None = option(None, "torch.set_num_threads (default: torch's choice, every core; on a machine "
+                                       "another process keeps busy, fewer threads than cores avoid oversubscription)")
 
 
 def parse_args(argv: list[str] | None = None) -> DemoSettings:
@@ -41,6 +43,8 @@ def timed(fn):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, tok = load_model(None, args.heads, dtype=args.dtype)
     model.fit_enabled = args.fit

@@ -70,3 +70,4 @@ def test_command_settings():
         bench(["--methods", "fast"])
     assert calibrate(["--sizes", "4,8", "--latency-tokens", "2"]).latency_tokens == (1, 2, 9)
     assert demo(["--no-fit", "--max-new-tokens", "16"]).fit is False
+    assert demo(["--threads", "1"]).threads == 1 and demo([]).threads is None
