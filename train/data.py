@@ -189,9 +189,14 @@ class TokenData:
 
     def doc_slices(self) -> list[tuple[int, int]]:
         """[start, end) of every document in the flat stream."""
-        bounds = torch.nonzero(self.segments[1:] != self.segments[:-1]).flatten() + 1
-        edges = [0, *bounds.tolist(), int(self.ids.numel())]
-        return list(zip(edges[:-1], edges[1:]))
+        return segment_slices(self.segments)
+
+
+def segment_slices(segments: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of every run of equal values in ``segments`` [N] (a flat stream's documents)."""
+    bounds = torch.nonzero(segments[1:] != segments[:-1]).flatten() + 1
+    edges = [0, *bounds.tolist(), int(segments.numel())]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 def build_token_data(tokenizer, records: list[dict], *, max_len: int, num_proc: int | None = None) -> TokenData:

@@ -211,7 +211,7 @@ def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D
     records, skipped = D.read_records(path, limit=limit, seed=cfg.seed)
     if len(records) <= own_eval:
         raise ValueError(f"{path}: {len(records)} valid records, need more than "
-                         + (f"eval_samples={cfg.eval_samples}" if own_eval else "none"))
+                         + (f"eval_samples={cfg.eval_samples}" if own_eval else "0"))
     if skipped:
         log0(rt, f"data: skipped {sum(skipped.values())} malformed record(s): {dict(skipped)}")
     held, train = records[:own_eval], records[own_eval:]
@@ -264,20 +264,18 @@ def target_features(target, input_ids: torch.Tensor, layers: tuple[int, ...],
 @torch.no_grad()
 def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, ...] = (-1,), *,
                      tokens_per_batch: int = 4096, desc: str = "features", progress: bool = True,
-                     known: dict[bytes, torch.Tensor] | None = None) -> torch.Tensor:
+                     known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Hidden states of ``layers`` [N, len(layers) * H] (bf16) of every document, each run with its own full context.
 
     Documents are length-bucketed (sorted) into batches of about ``tokens_per_batch`` tokens; with
     several ranks each computes a share and the shares are all-gathered. ``known``: features of documents
-    computed before (:func:`document_key` -> [n, F]), copied instead of computed.
+    computed before (document index -> [n, F], :func:`reusable_features`), copied instead of computed.
     """
     from tqdm import tqdm
 
     slices = data.doc_slices()
     known = known or {}
-    reused = [d for d, (s, e) in enumerate(slices) if document_key(data.ids[s:e]) in known]
-    todo = sorted(set(range(len(slices))) - set(reused))
-    mine = todo[rt.rank::rt.world]
+    mine = [d for d in range(len(slices)) if d not in known][rt.rank::rt.world]
     mine.sort(key=lambda i: slices[i][1] - slices[i][0])
     hidden = torch.zeros(int(data.ids.numel()), len(layers) * target.config.get_text_config().hidden_size,
                          dtype=torch.bfloat16)
@@ -311,9 +309,9 @@ def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, 
         gathered = hidden.float()
         dist.all_reduce(gathered)
         hidden = gathered.to(torch.bfloat16)
-    for d in reused:
+    for d, features in known.items():
         s, e = slices[d]
-        hidden[s:e] = known[document_key(data.ids[s:e])]
+        hidden[s:e] = features
     return hidden
 
 
@@ -322,12 +320,14 @@ def document_key(ids: torch.Tensor) -> bytes:
     return ids.to(torch.int64).numpy().tobytes()
 
 
-def known_features(state: dict[str, torch.Tensor]) -> dict[bytes, torch.Tensor]:
-    """The documents of a feature cache file (:func:`cached_features`), by :func:`document_key`."""
+def reusable_features(state: dict[str, torch.Tensor], data: D.TokenData) -> dict[int, torch.Tensor]:
+    """Document index in ``data`` -> its features [n, F] in a feature cache file (:func:`cached_features`), for the
+    documents the file holds."""
     if "segments" not in state:  # written before the cache kept document bounds: nothing to match by
         return {}
-    old = D.TokenData(state["ids"], torch.ones_like(state["ids"]), state["segments"], 0)
-    return {document_key(state["ids"][s:e]): state["hidden"][s:e] for s, e in old.doc_slices()}
+    stored = {document_key(state["ids"][s:e]): state["hidden"][s:e] for s, e in D.segment_slices(state["segments"])}
+    found = ((d, stored.get(document_key(data.ids[s:e]))) for d, (s, e) in enumerate(data.doc_slices()))
+    return {d: features for d, features in found if features is not None}
 
 
 def cached_features(cfg: TrainConfig, model, data: D.TokenData, rt: Runtime, name: str) -> torch.Tensor:
@@ -344,14 +344,13 @@ def cached_features(cfg: TrainConfig, model, data: D.TokenData, rt: Runtime, nam
             if torch.equal(state["ids"], data.ids):
                 log0(rt, f"features: reusing {path}")
                 return state["hidden"]
-            known = known_features(state)  # the data changed (e.g. grew): keep the documents it still holds
+            known = reusable_features(state, data)  # the data changed (e.g. grew): keep the documents it still holds
         del state
     t0 = time.time()
     hidden = compute_features(model.base_model, data, rt, tuple(layers.tolist()), desc=f"features[{name}]",
                               progress=cfg.progress, known=known)
-    reused = sum(1 for s, e in data.doc_slices() if document_key(data.ids[s:e]) in known)
     log0(rt, f"features[{name}]: {hidden.shape[0]} tokens in {time.time() - t0:.0f}s"
-             + (f", {reused} of {data.num_docs} documents reused from {path}" if reused else ""))
+             + (f", {len(known)} of {data.num_docs} documents reused from {path}" if known else ""))
     del known
     if rt.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
