@@ -175,6 +175,21 @@ def test_reader_counts_malformed_records_and_keeps_a_truncated_array(tmp_path):
     assert len(good) == 5 and sum(skipped.values()) == 4
 
 
+def test_several_sources_concatenate_their_seeded_slices(tmp_path):
+    a, b = write_chat_jsonl(tmp_path / "a.jsonl", n=10, seed=1), write_chat_jsonl(tmp_path / "b.jsonl", n=12, seed=2)
+    whole_b, _ = D.read_records(b, seed=3)
+    assert D.parse_sources(f"{a}, {b}[4:9]") == [(str(a), 0, None), (str(b), 4, 9)]
+    records, skipped, paths = D.read_sources(f"{a},{b}[4:9]", seed=3)
+    key = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs)  # noqa: E731
+    assert paths == [a, b] and not skipped
+    assert key(records) == key(D.read_records(a, seed=3)[0] + whole_b[4:9])  # b's records 4..8 of its shuffle
+    assert D.read_sources(str(b), seed=3)[0] == whole_b  # one source: its own shuffle, as before
+    assert D.read_sources(f"{b}[7:]", seed=3)[0] == whole_b[7:]
+    for bad in (f"{b}[5]", f"{b}[5:2]", f"{b}[x:]", f"{a},,{b}"):
+        with pytest.raises(ValueError, match="source"):
+            D.parse_sources(bad)
+
+
 def test_missing_data_and_template_less_tokenizer_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         D.resolve_data_path(str(tmp_path / "nope.jsonl"))

@@ -131,6 +131,49 @@ def read_records(path: Path, *, limit: int | None = None, seed: int = 0) -> tupl
     return (records[:limit] if limit else records), skipped
 
 
+def parse_sources(spec: str) -> list[tuple[str, int, int | None]]:
+    """``"a.jsonl,sharegpt[7000:9500]"`` -> ``[("a.jsonl", 0, None), ("sharegpt", 7000, 9500)]``.
+
+    Each comma-separated source is ``sharegpt`` or a file, optionally with ``[start:stop]``: the records
+    ``start .. stop`` of that source's seeded shuffle (the order ``distill-data`` draws its prompts in with the
+    same seed, so ``sharegpt[N:]`` never shares a conversation with the first N prompts it answered).
+    """
+    sources = []
+    for part in (p.strip() for p in spec.split(",")):
+        name, start, stop = part, 0, None
+        if part.endswith("]") and "[" in part:
+            name, _, rng = part[:-1].partition("[")
+            lo, sep, hi = rng.partition(":")
+            try:
+                start, stop = int(lo or 0), (int(hi) if hi else None)
+            except ValueError:
+                start = -1
+            if not sep or start < 0 or (stop is not None and stop <= start):
+                raise ValueError(f"data source {part!r}: expected NAME[start:stop] with 0 <= start < stop")
+        if not name:
+            raise ValueError(f"data {spec!r}: an empty source")
+        sources.append((name, start, stop))
+    return sources
+
+
+def read_sources(spec: str, *, seed: int = 0) -> tuple[list[dict], Counter, list[Path]]:
+    """Records of every source of ``spec`` (:func:`parse_sources`), their skip reasons and paths.
+
+    One source keeps its own seeded shuffle; several are concatenated and shuffled together.
+    """
+    records, skipped, paths = [], Counter(), []
+    sources = parse_sources(spec)
+    for name, start, stop in sources:
+        path = resolve_data_path(name)
+        got, why = read_records(path, limit=stop, seed=seed)
+        records += got[start:]
+        skipped += why
+        paths.append(path)
+    if len(sources) > 1:
+        random.Random(seed).shuffle(records)
+    return records, skipped, paths
+
+
 # ---------------------------------------------------------------------------------------------- encoding
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)

@@ -49,7 +49,8 @@ class TrainConfig:
     aux_layers: Ints | None = option(None, "eagle3: the target hidden_states it reads (none: 2, L // 2, L - 3)")
     intermediate_size: int | None = option(None, "eagle3: its MLP width (none: the target's)")
     # data
-    data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"})")
+    data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"}); several "
+                                   "comma-separated, each optionally NAME[start:stop] of its seeded shuffle")
     max_samples: int | None = option(2000, "documents used for training, after a seeded shuffle (none: all)")
     eval_samples: int = option(50, "held-out documents (disjoint from training)")
     eval_data: str | None = option(None, "held-out documents from this .json / .jsonl file (the first eval_samples "
@@ -205,12 +206,12 @@ def _draft_vocab_size(cfg: TrainConfig, target) -> int | None:
 
 def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D.TokenData, dict[str, Any]]:
     """(train, held-out) token streams and a summary of what was read."""
-    path = D.resolve_data_path(cfg.data)
+    records, skipped, paths = D.read_sources(cfg.data, seed=cfg.seed)
     own_eval = 0 if cfg.eval_data else cfg.eval_samples
-    limit = None if cfg.max_samples is None else cfg.max_samples + own_eval
-    records, skipped = D.read_records(path, limit=limit, seed=cfg.seed)
+    if cfg.max_samples is not None:
+        records = records[: cfg.max_samples + own_eval]
     if len(records) <= own_eval:
-        raise ValueError(f"{path}: {len(records)} valid records, need more than "
+        raise ValueError(f"{cfg.data}: {len(records)} valid records, need more than "
                          + (f"eval_samples={cfg.eval_samples}" if own_eval else "0"))
     if skipped:
         log0(rt, f"data: skipped {sum(skipped.values())} malformed record(s): {dict(skipped)}")
@@ -226,7 +227,8 @@ def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D
         train = kept
     train_data = D.build_token_data(tokenizer, train, max_len=cfg.max_doc_len, num_proc=cfg.num_proc)
     eval_data = D.build_token_data(tokenizer, held, max_len=cfg.max_doc_len) if held else None
-    summary = {"data": cfg.data, "path": str(path), "eval_data": cfg.eval_data, "train_docs": train_data.num_docs,
+    summary = {"data": cfg.data, "path": ",".join(map(str, paths)), "eval_data": cfg.eval_data,
+               "train_docs": train_data.num_docs,
                "train_tokens": int(train_data.ids.numel()), "train_loss_tokens": train_data.num_loss_tokens,
                "eval_docs": eval_data.num_docs if eval_data else 0,
                "eval_loss_tokens": eval_data.num_loss_tokens if eval_data else 0,
