@@ -51,23 +51,30 @@ class DynamicTree:
 
     Level by level, the ``expand`` best nodes of the deepest level (by the summed log-probability
     of their path under the heads) get their ``topk`` most likely children, down to ``depth``; then
-    the ``nodes`` best nodes overall (root excluded) are verified. JSON form:
-    ``{"dynamic": {"nodes": 16, "depth": 4, "topk": 4, "expand": 4}}``.
+    the ``nodes`` best nodes overall (root excluded) are verified. ``min_prob``: growth stops after a level
+    whose best node's path probability is below it (deep levels the drafter is unsure of cost a drafting pass
+    and are rarely accepted). JSON form:
+    ``{"dynamic": {"nodes": 16, "depth": 4, "topk": 4, "expand": 4, "min_prob": 0.05}}``.
     """
 
     nodes: int
     depth: int
     topk: int = 4
     expand: int = 4
+    min_prob: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "depth", "topk", "expand"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"dynamic tree {name} must be a positive integer, got {value!r}")
+        p = self.min_prob
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
+            raise ValueError(f"dynamic tree min_prob must be a number in [0, 1), got {p!r}")
 
     def to_json(self) -> dict:
-        return {"dynamic": {"nodes": self.nodes, "depth": self.depth, "topk": self.topk, "expand": self.expand}}
+        spec = {"nodes": self.nodes, "depth": self.depth, "topk": self.topk, "expand": self.expand}
+        return {"dynamic": spec | ({"min_prob": self.min_prob} if self.min_prob else {})}
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ def parse_tree(spec, num_heads: int | None = None) -> TreeSpec:
             raise ValueError(f"prompt_lookup and ngram must be positive integers, got {tokens!r}, {ngram!r}")
         return WithLookup(parse_tree(spec["tree"], num_heads), tokens, ngram)
     elif isinstance(spec, dict) and set(spec) == {"dynamic"} and isinstance(spec["dynamic"], dict):
-        unknown = set(spec["dynamic"]) - {"nodes", "depth", "topk", "expand"}
+        unknown = set(spec["dynamic"]) - {"nodes", "depth", "topk", "expand", "min_prob"}
         if unknown:
             raise ValueError(f"dynamic tree has unknown keys {sorted(unknown)}")
         tree = DynamicTree(**spec["dynamic"])

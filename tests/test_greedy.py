@@ -178,6 +178,7 @@ def _memorize(model: MedusaModel, sequence: torch.Tensor, steps: int = 150) -> M
 
 
 EAGLE3_TREES = {"chain": chain(4), "default": DEFAULT_TREE, "dynamic": {"dynamic": {"nodes": 10, "depth": 4}},
+                "dynamic-stopping": {"dynamic": {"nodes": 10, "depth": 4, "min_prob": 0.3}},
                 "default+lookup": {"tree": DEFAULT_TREE, "prompt_lookup": 6}}
 
 

@@ -196,6 +196,24 @@ def test_dynamic_tree_is_a_valid_tree_of_the_best_paths():
     assert root_only.tolist() == [17] and b.num_nodes == 1
 
 
+def test_dynamic_tree_stops_growing_below_min_prob():
+    from medusa_lite.tree import DynamicTree
+
+    model = _hydra()
+    hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
+    levels = []
+    advance = model.drafter.advance
+    model.drafter.advance = lambda ctx, depth, *a: levels.append(depth) or advance(ctx, depth, *a)
+    full = model.drafter.draft_row(hidden, ids, DynamicTree(nodes=9, depth=3, topk=3, expand=3), 8)
+    assert levels == [0, 1, 2]
+    levels.clear()  # every path probability is below 0.999: one level (the root's children), then stop
+    tokens, buffers, _ = model.drafter.draft_row(hidden, ids, DynamicTree(9, 3, 3, 3, min_prob=0.999), 8)
+    assert levels == [0] and buffers.depth == 1 and tokens.tolist() == full.tokens[: 4].tolist()
+    levels.clear()  # a floor below every score: exactly the tree without one
+    tokens, buffers, _ = model.drafter.draft_row(hidden, ids, DynamicTree(9, 3, 3, 3, min_prob=1e-30), 8)
+    assert levels == [0, 1, 2] and torch.equal(tokens, full.tokens) and buffers.parents == full.buffers.parents
+
+
 def test_dynamic_tree_spec_parsing():
     from medusa_lite import MedusaConfig
     from medusa_lite.tree import DynamicTree, parse_tree
@@ -207,6 +225,11 @@ def test_dynamic_tree_spec_parsing():
         parse_tree({"dynamic": {"nodes": 8, "depth": 3, "width": 2}})
     with pytest.raises(ValueError, match="positive"):
         parse_tree({"dynamic": {"nodes": 0, "depth": 3}})
+    assert parse_tree({"dynamic": {"nodes": 8, "depth": 3, "min_prob": 0.05}}).min_prob == 0.05
+    assert DynamicTree(8, 3, min_prob=0.05).to_json()["dynamic"]["min_prob"] == 0.05
+    for bad in (1.0, -0.1, "0.1", True):
+        with pytest.raises(ValueError, match="min_prob"):
+            DynamicTree(8, 3, min_prob=bad)
     with pytest.raises(ValueError, match="Hydra"):
         MedusaConfig(tree={"dynamic": {"nodes": 8, "depth": 3}})
     assert MedusaConfig(head_type="hydra", tree={"dynamic": {"nodes": 8, "depth": 3}}).choices == \

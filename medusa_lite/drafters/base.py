@@ -19,6 +19,7 @@ never owned: they are neither trained nor saved with the drafter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -211,7 +212,8 @@ class PathDrafter(Drafter):
         """A tree grown for this step (EAGLE-2): level d expands the ``tree.expand`` best nodes of depth d into
         their ``tree.topk`` most likely children, scored by the summed log-probability of their path; the
         ``tree.nodes`` best scored nodes are kept. A child's score is below its parent's (ties broken by depth),
-        so the kept set contains every kept node's ancestors. Candidate c is node c + 1 (the root is 0)."""
+        so the kept set contains every kept node's ancestors. Candidate c is node c + 1 (the root is 0).
+        Growth stops after a level whose best node's path probability is below ``tree.min_prob``."""
         from ..tree import build_buffers, buffers_from_parents
 
         root = ids[-1:]
@@ -223,6 +225,7 @@ class PathDrafter(Drafter):
         scores = torch.zeros(1, device=device)                         # [M] path log-probability of each row
         parents = [-1]                                                 # parent of every node so far
         all_tokens, all_scores = [], []
+        floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
         for d in range(depth):
             logits = self.advance(ctx, d, parent_rows, tokens, nodes, parents)  # [M, V']
             logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
@@ -232,10 +235,11 @@ class PathDrafter(Drafter):
             parents += [p for p in nodes for _ in range(tree.topk)]
             all_tokens.append(child_tokens)
             all_scores.append(child_scores)
-            if d + 1 < depth:
-                pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
-                parent_rows, tokens, scores = pick // tree.topk, child_tokens[pick], child_scores[pick]
-                nodes = (first + pick).tolist()
+            if d + 1 == depth or float(child_scores.max()) < floor:
+                break
+            pick = child_scores.topk(min(tree.expand, child_scores.numel())).indices  # [M']
+            parent_rows, tokens, scores = pick // tree.topk, child_tokens[pick], child_scores[pick]
+            nodes = (first + pick).tolist()
         cand_tokens, cand_scores = torch.cat(all_tokens), torch.cat(all_scores)
         keep = sorted(cand_scores.topk(min(tree.nodes, cand_scores.numel())).indices.tolist())  # parents first
         node_of = {0: 0} | {c + 1: i + 1 for i, c in enumerate(keep)}
