@@ -55,7 +55,7 @@ class MedusaConfig:
     head_type: str = "medusa"           # the registered drafter (medusa_lite.drafters): "medusa" reads h_t,
                                         # "hydra" also the drafted path
     draft_vocab_size: int | None = None  # heads propose only these many tokens (ids stored with the weights)
-    tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None -> DEFAULT_TREE
+    tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None: DEFAULT_TREE (eagle3: grown)
     dtype_trees: dict[str, list[list[int]] | dict] = field(default_factory=dict)  # calibrated per target dtype
     hidden_size: int | None = None
     vocab_size: int | None = None

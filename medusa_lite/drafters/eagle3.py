@@ -44,6 +44,14 @@ class Eagle3Config(MedusaConfig):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
 
+    @property
+    def choices(self) -> list[list[int]] | dict:
+        """Without a tree of its own: one grown each step (EAGLE-2), at most 4 deep (deeper levels are rarely
+        accepted), growth stopping after a level whose best path probability is below 0.1 (docs/drafters.md)."""
+        if self.tree is not None:
+            return self.tree
+        return {"dynamic": {"nodes": 16, "depth": min(4, self.num_heads), "topk": 4, "expand": 4, "min_prob": 0.1}}
+
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (Llama's rotate-half layout): x [..., T, heads, D], cos / sin [..., T, 1, D] -> x's shape."""
@@ -268,9 +276,9 @@ class Eagle3Drafter(PathDrafter):
         k, v = k.transpose(0, 1), v.transpose(0, 1)                          # [kv_heads, n, D]
         if cache is not None:
             k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
-        allowed = torch.ones(n, start + n, dtype=torch.bool, device=tokens.device).tril(start)
-        out = layer.finish(_attend(q, k, v, allowed), hidden)              # [n, H]
-        return RowCache(k, v, out[-1])
+        allowed = torch.ones(1, start + n, dtype=torch.bool, device=tokens.device)  # the last query sees all
+        last = layer.finish(_attend(q[-1:], k, v, allowed), hidden[-1:])  # [1, H]: only the last output is read
+        return RowCache(k, v, last[0])
 
     def begin(self, hidden, ids, cache):
         if cache is None:
