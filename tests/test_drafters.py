@@ -146,3 +146,18 @@ def test_eagle3_export_has_exactly_the_names_shapes_and_dtypes_vllm_loads():
     assert config["draft_vocab_size"] == 40 and config["target_hidden_size"] == h and config["vocab_size"] == 128
     assert config["eagle_aux_hidden_state_layer_ids"] == model.config.aux_layers
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == model.config.aux_layers
+
+
+def test_eagle3_default_trees_grow_when_greedy_and_draw_a_static_tree_when_sampling():
+    from medusa_lite.config import DEFAULT_TREE
+    from medusa_lite.tree import parse_tree, truncate
+
+    config = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 5})
+    grown = parse_tree(config.choices_for("bfloat16"), config.num_heads)
+    assert grown == DynamicTree(nodes=16, depth=4, topk=4, expand=4, min_prob=0.1)
+    assert config.choices_for("float32", sample=True) == truncate(DEFAULT_TREE, 4)  # drafted tokens are sampled
+    calibrated = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 5,
+                                         "dtype_trees": {"bfloat16:sample": [[0]]}})
+    assert calibrated.choices_for("bfloat16", sample=True) == [[0]]
+    own = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 3, "tree": [[0], [1]]})
+    assert own.choices_for("bfloat16") == own.choices_for("bfloat16", sample=True) == [[0], [1]]
