@@ -55,7 +55,7 @@ class MedusaConfig:
     head_type: str = "medusa"           # the registered drafter (medusa_lite.drafters): "medusa" reads h_t,
                                         # "hydra" also the drafted path
     draft_vocab_size: int | None = None  # heads propose only these many tokens (ids stored with the weights)
-    tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None: DEFAULT_TREE (eagle3: grown)
+    tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None: default_tree()
     dtype_trees: dict[str, list[list[int]] | dict] = field(default_factory=dict)  # calibrated per target dtype
     hidden_size: int | None = None
     vocab_size: int | None = None
@@ -86,8 +86,13 @@ class MedusaConfig:
     @property
     def choices(self) -> list[list[int]] | dict:
         """The tree to decode with, in JSON form (a list of paths, or ``{"dynamic": {...}}``)."""
+        return self.tree if self.tree is not None else self.default_tree()
+
+    def default_tree(self, sample: bool = False) -> list[list[int]] | dict:
+        """The tree of heads configured with none (``sample``: for sampling): :data:`DEFAULT_TREE`, as deep as the
+        heads. A drafter's config class may choose another."""
         from .tree import truncate
-        return self.tree if self.tree is not None else truncate(DEFAULT_TREE, self.num_heads)
+        return truncate(DEFAULT_TREE, self.num_heads)
 
     def choices_for(self, dtype, sample: bool = False) -> list[list[int]] | dict:
         """The tree calibrated for ``dtype`` (a torch dtype or its name), else :attr:`choices`.
@@ -101,7 +106,7 @@ class MedusaConfig:
         for key in ([sample_key(name)] if sample else []) + [name]:
             if key in self.dtype_trees:  # may be [] (the root alone: no speculation pays)
                 return self.dtype_trees[key]
-        return self.choices
+        return self.tree if self.tree is not None else self.default_tree(sample)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

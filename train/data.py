@@ -142,14 +142,15 @@ def parse_sources(spec: str) -> list[tuple[str, int, int | None]]:
     for part in (p.strip() for p in spec.split(",")):
         name, start, stop = part, 0, None
         if part.endswith("]") and "[" in part:
+            bad = ValueError(f"data source {part!r}: expected NAME[start:stop] with 0 <= start < stop")
             name, _, rng = part[:-1].partition("[")
             lo, sep, hi = rng.partition(":")
             try:
                 start, stop = int(lo or 0), (int(hi) if hi else None)
             except ValueError:
-                start = -1
+                raise bad from None
             if not sep or start < 0 or (stop is not None and stop <= start):
-                raise ValueError(f"data source {part!r}: expected NAME[start:stop] with 0 <= start < stop")
+                raise bad
         if not name:
             raise ValueError(f"data {spec!r}: an empty source")
         sources.append((name, start, stop))

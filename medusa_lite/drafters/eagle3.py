@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DEFAULT_TREE, MedusaConfig, dtype_name, sample_key, text_config
+from ..config import DEFAULT_TREE, MedusaConfig, text_config
+from ..tree import truncate
 from . import register_drafter
 from .base import DraftState, PathDrafter
-from ..tree import truncate
 from .heads import heads_loss
 
 
@@ -45,22 +45,15 @@ class Eagle3Config(MedusaConfig):
     rms_norm_eps: float | None = None
     rope_theta: float | None = None
 
-    @property
-    def choices(self) -> list[list[int]] | dict:
-        """Without a tree of its own: one grown each step (EAGLE-2), at most 4 deep (deeper levels are rarely
-        accepted), growth stopping after a level whose best path probability is below 0.1 (docs/drafters.md)."""
-        if self.tree is not None:
-            return self.tree
-        return {"dynamic": {"nodes": 16, "depth": min(4, self.num_heads), "topk": 4, "expand": 4, "min_prob": 0.1}}
-
-    def choices_for(self, dtype, sample: bool = False) -> list[list[int]] | dict:
-        """As :meth:`MedusaConfig.choices_for`, except that sampling without a configured or calibrated tree uses
-        the static default tree: its tokens are drawn from the drafter, where a grown tree's are its top-k
-        (deterministic proposals), which at T = 1 accepted 1.47 tokens per forward against 1.93 (docs/drafters.md)."""
-        calibrated = {sample_key(dtype), dtype_name(dtype)} & set(self.dtype_trees)
-        if sample and self.tree is None and not calibrated:
-            return truncate(DEFAULT_TREE, min(4, self.num_heads))
-        return super().choices_for(dtype, sample)
+    def default_tree(self, sample: bool = False) -> list[list[int]] | dict:
+        """Greedy: a tree grown each step (EAGLE-2), at most 4 deep (deeper levels are rarely accepted), growth
+        stopping after a level whose best path probability is below 0.1. Sampling: the static default tree, whose
+        tokens are drawn from the drafter, where a grown tree's are its top-k (deterministic proposals), which
+        at T = 1 accepted 1.47 tokens per forward against 1.93 (docs/drafters.md)."""
+        depth = min(4, self.num_heads)
+        if sample:
+            return truncate(DEFAULT_TREE, depth)
+        return {"dynamic": {"nodes": 16, "depth": depth, "topk": 4, "expand": 4, "min_prob": 0.1}}
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
