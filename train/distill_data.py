@@ -41,7 +41,7 @@ class DistillSettings:
     prompts: str = option("sharegpt", "'sharegpt' or a chat .json/.jsonl file")
     num_prompts: int = option(4000, "prompts answered")
     skip_prompts: int = option(0, "start after this many prompts (disjoint sets)")
-    max_prompt_tokens: int = option(384, "longer prompts are skipped")
+    max_prompt_tokens: int = option(1024, "longer prompts are skipped")
     max_new_tokens: int = option(256, "answer length")
     batch_size: int = option(64, "prompts per batched generate")
     dtype: Literal["bf16", "fp32"] = option("bf16", "target dtype")
@@ -66,9 +66,11 @@ def _turns(rec: dict, role: str) -> list[str]:
 
 
 def _passage(rec: dict, words: int) -> str | None:
-    """The first ``words`` words of the record's first assistant answer (ShareGPT text to work on)."""
-    answers = _turns(rec, "assistant")
-    text = " ".join(answers[0].split()[:words]) if answers else ""
+    """The first ``words`` words of the record's assistant answers, joined (ShareGPT text to work on).
+
+    Long passages matter: summarizing, answering from and translating a text make the target copy from a long
+    prompt, which first turns rarely do and which a drafter learns only from contexts that long."""
+    text = " ".join(" ".join(_turns(rec, "assistant")).split()[:words])
     return text if len(text.split()) >= 20 else None
 
 
@@ -80,6 +82,9 @@ def _arithmetic(i: int) -> str:
     a, b, c = rng.randint(12, 999), rng.randint(2, 99), rng.randint(2, 999)
     op = rng.choice(["*", "+", "-"])
     return f"What is {a} {op} {b} + {c}? Work it out step by step, then give the answer."
+
+
+PASSAGE_WORDS = {"summarize": 480, "passage": 360, "translate": 80}
 
 
 def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
@@ -102,7 +107,7 @@ def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
             else None
     if kind == "arithmetic":
         return [{"role": "user", "content": _arithmetic(i)}]
-    passage = _passage(rec, 60 if kind == "translate" else 160)
+    passage = _passage(rec, PASSAGE_WORDS[kind])
     if passage is None:
         return None
     task = {"summarize": f"Summarize the following text in two or three sentences.\n\n{passage}",
