@@ -12,6 +12,8 @@ import sys
 
 COMMANDS = {
     "demo": ("medusa_lite.serve.demo", "chat prompts on the default model: plain generate vs medusa_lite"),
+    "campaign": ("medusa_lite.train.campaign", "the drafter campaign: committed data, resumable training, ledger"),
+    "diagnose": ("medusa_lite.train.diagnose", "a drafter's top-1 by task, context length, answer position, copyability"),
     "distill-data": ("medusa_lite.train.distill_data", "the target's own answers to ShareGPT prompts (training data)"),
     "train": ("medusa_lite.train.train", "fine-tune heads (DeepSpeed, one CPU process or many GPUs)"),
     "export-vllm": ("medusa_lite.train.export_vllm", "write heads in vLLM's Medusa checkpoint layout"),

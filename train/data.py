@@ -12,6 +12,8 @@ cut into fixed windows (:func:`make_windows`); predictions never cross a documen
 
 from __future__ import annotations
 
+import glob
+import gzip
 import importlib.util
 import json
 import random
@@ -77,9 +79,15 @@ class _Broken:
     reason: str
 
 
+def read_text(path: Path) -> str:
+    """A data file's text; ``.gz`` files (how committed data is stored) are decompressed."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return data.decode("utf-8", errors="replace")
+
+
 def _iter_raw(path: Path) -> Iterator[Any]:
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".json" or text.lstrip().startswith("["):
+    text = read_text(path)
+    if path.name.removesuffix(".gz").endswith(".json") or text.lstrip().startswith("["):
         yield from _iter_json_array(text)
         return
     for line_no, line in enumerate(text.splitlines(), 1):
@@ -134,7 +142,8 @@ def read_records(path: Path, *, limit: int | None = None, seed: int = 0) -> tupl
 def parse_sources(spec: str) -> list[tuple[str, int, int | None]]:
     """``"a.jsonl,sharegpt[7000:9500]"`` -> ``[("a.jsonl", 0, None), ("sharegpt", 7000, 9500)]``.
 
-    Each comma-separated source is ``sharegpt`` or a file, optionally with ``[start:stop]``: the records
+    Each comma-separated source is ``sharegpt`` or a file (a glob pattern stands for every file it matches, in
+    sorted order: ``campaign/data/*.jsonl.gz``), optionally with ``[start:stop]``: the records
     ``start .. stop`` of that source's seeded shuffle (the order ``distill-data`` draws its prompts in with the
     same seed, so ``sharegpt[N:]`` never shares a conversation with the first N prompts it answered).
     """
@@ -153,7 +162,10 @@ def parse_sources(spec: str) -> list[tuple[str, int, int | None]]:
                 raise bad
         if not name:
             raise ValueError(f"data {spec!r}: an empty source")
-        sources.append((name, start, stop))
+        names = sorted(glob.glob(name)) if glob.has_magic(name) else [name]
+        if not names:
+            raise FileNotFoundError(f"data source {name!r} matches no file")
+        sources += [(n, start, stop) for n in names]
     return sources
 
 

@@ -48,6 +48,7 @@ class DistillSettings:
     threads: int | None = option(None, "torch.set_num_threads")
     shard: str = option("0/1", "i/n: this process takes every n-th prompt from the i-th")
     seed: int = option(0, "seed of the prompt order")
+    time_limit_minutes: float | None = option(None, "stop after the batch that reaches this wall time (resume later)")
     mix: Names = option(Names(("chat",)), f"prompt kinds, taken in turn record by record: {', '.join(KINDS)}")
 
     def __post_init__(self) -> None:
@@ -130,16 +131,27 @@ def prompts_of(path: Path, kinds: tuple[str, ...], *, limit: int, skip: int, see
 
 
 @torch.no_grad()
-def answer_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[str]:
-    """Greedy answers of the target to the chats' last user turns, batched with left padding."""
+def greedy_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy answers (token ids, through the first EOS) to the chats' last user turns, batched with
+    left padding."""
     prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
     out = target.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                           cache_implementation="static")  # a growing cache re-copies [B, L] K/V every step
-    return tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    answers = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        answers.append(row[:end])
+    return answers
 
 
-def main(argv=None) -> None:
+def answer_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[str]:
+    """:func:`greedy_batch` as text."""
+    return tokenizer.batch_decode(greedy_batch(target, tokenizer, chats, max_new_tokens), skip_special_tokens=True)
+
+
+def main(argv=None) -> dict:
+    """Answers the prompts not yet in ``--out``; returns ``{answered, answer_tokens, seconds, complete}``."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,7 +173,7 @@ def main(argv=None) -> None:
     todo = sorted(((i, kind, chat) for i, kind, chat in prompts if i not in done and lengths[i] <= args.max_prompt_tokens),
                   key=lambda it: lengths[it[0]])
     print(f"distill: {len(todo)} prompts to answer ({len(done)} already in {out})", flush=True)
-    t0, new_tokens = time.time(), 0
+    t0, new_tokens, answered = time.time(), 0, 0
     with out.open("a") as f:
         for b in range(0, len(todo), args.batch_size):
             batch = todo[b: b + args.batch_size]
@@ -171,8 +183,14 @@ def main(argv=None) -> None:
                 f.write(json.dumps({"messages": [*chat, {"role": "assistant", "content": answer}],
                                     "source_index": i, "kind": kind}) + "\n")
             f.flush()
+            answered += len(batch)
             print(f"distill: {b + len(batch)}/{len(todo)} prompts, {new_tokens} answer tokens, "
                   f"{new_tokens / (time.time() - t0):.0f} tok/s", flush=True)
+            if args.time_limit_minutes is not None and time.time() - t0 > 60 * args.time_limit_minutes:
+                print(f"distill: time limit of {args.time_limit_minutes} min reached; rerun to continue", flush=True)
+                break
+    return {"answered": answered, "answer_tokens": new_tokens, "seconds": round(time.time() - t0, 1),
+            "complete": answered == len(todo)}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ class TrainConfig:
     share_lm_head: bool = option(True, "heads project with the frozen target lm_head (else one lm_head each)")
     aux_layers: Ints | None = option(None, "eagle3: the target hidden_states it reads (none: 2, L // 2, L - 3)")
     intermediate_size: int | None = option(None, "eagle3: its MLP width (none: the target's)")
+    init_heads: str | None = option(None, "a heads directory of the same shape whose weights (draft vocabulary "
+                                          "included) a fresh run starts from; a checkpoint to resume wins")
     # data
     data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"}); several "
                                    "comma-separated, each optionally NAME[start:stop] of its seeded shuffle")
@@ -197,6 +199,21 @@ def build_model(cfg: TrainConfig, rt: Runtime):
     model = MedusaModel(target, head_cfg)  # freezes the target: requires_grad False, eval()
     model.drafter.float()
     return model, tokenizer
+
+
+def warm_start(model, heads_dir: str | Path) -> None:
+    """Load a saved drafter's weights (and draft vocabulary) into ``model``'s fresh drafter of the same shape."""
+    from medusa_lite import MedusaConfig
+    from medusa_lite.config import WEIGHTS_NAME
+    from safetensors.torch import load_file
+
+    saved = MedusaConfig.load(heads_dir)
+    for key in ("head_type", "num_heads", "num_layers", "draft_vocab_size"):
+        if getattr(saved, key) != getattr(model.config, key):
+            raise ValueError(f"init_heads={heads_dir}: its {key} is {getattr(saved, key)!r}, this run's "
+                             f"{getattr(model.config, key)!r}")
+    state = load_file(str(Path(heads_dir) / WEIGHTS_NAME))
+    model.drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
 
 
 def _draft_vocab_size(cfg: TrainConfig, target) -> int | None:
@@ -772,7 +789,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train_hidden = cached_features(cfg, model, train_data, rt, "train") if cfg.cache_features else None
     eval_hidden = cached_features(cfg, model, eval_data, rt, "eval") \
         if cfg.cache_features and eval_data else None
-    choose_draft_vocabulary(cfg, model, train_data)
+    if cfg.init_heads:
+        warm_start(model, cfg.init_heads)
+        log0(rt, f"warm start from {cfg.init_heads} (its weights and draft vocabulary)")
+    else:
+        choose_draft_vocabulary(cfg, model, train_data)
     engine = Engine(cfg, model.drafter, rt)
     # --- run
     stats = run(cfg, model, engine, train_data, train_hidden, rt)

@@ -1,0 +1,105 @@
+"""The drafter campaign: committed data chunks that resume, a held-out set, training that warm-starts from the
+committed drafter and writes it back in bf16, a ledger of it all; and the diagnosis tool's pure parts.
+Tiny random targets only, offline."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from train_helpers import write_chat_jsonl, write_config, write_target
+
+from medusa_lite.train import data as D
+from medusa_lite.train.campaign import main as campaign
+from medusa_lite.train.diagnose import Tally, copyable, position_hits
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    base = tmp_path_factory.mktemp("campaign")
+    return {"target": write_target(base / "target"), "data": write_chat_jsonl(base / "chat.jsonl", n=80),
+            "base": base}
+
+
+def test_campaign_data_resumes_its_chunk_then_trains_twice_from_what_is_committed(material, tmp_path, monkeypatch,
+                                                                                 capsys):
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "campaign"
+    common = [f"--root={root}", f"--target={material['target']}", f"--prompts={material['data']}",
+              "--eval-start=60", "--eval-prompts=6", "--batch-size=2", "--chunk=8"]
+    # a data run cut short by its budget leaves a partial chunk, committed as it stands ...
+    campaign(["data", *common, "--minutes=0.0001"])
+    ledger = json.loads((root / "ledger.json").read_text())
+    first = ledger["data"][0]
+    assert (first["skip_prompts"], first["num_prompts"], first["complete"]) == (0, 8, False)
+    assert first["records"] == 2 and (root / first["file"]).is_file()
+    # ... which the next run finishes (never answering a prompt twice) before it starts the next chunk
+    campaign(["data", *common, "--minutes=10", "--max-chunks=2"])
+    ledger = json.loads((root / "ledger.json").read_text())
+    rows = [json.loads(x) for x in gzip.decompress((root / first["file"]).read_bytes()).splitlines()]
+    assert ledger["data"][0]["complete"] and len({r["source_index"] for r in rows}) == len(rows) > 2
+    assert all(0 <= r["source_index"] < 8 for r in rows) and ledger["data"][1]["complete"]
+    assert ledger["data"][1]["skip_prompts"] == 8 and "distill-data" in ledger["data"][0]["command"]
+    campaign(["eval", *common])
+    ledger = json.loads((root / "ledger.json").read_text())
+    assert ledger["eval"]["complete"] and ledger["eval"]["records"] > 0
+    records, _ = D.read_records(root / ledger["eval"]["file"])  # committed .gz is training-data format
+    assert len(records) == ledger["eval"]["records"]
+    with pytest.raises(ValueError, match="seed"):
+        campaign(["status", *common, "--seed=1"])
+
+    # training: a fresh drafter, written back in bf16 with the run in the ledger; the next run warm-starts from it
+    config = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "unused",
+                          head_type="hydra", num_heads=2, eval_samples=4, save_every=0)
+    train = ["train", *common, f"--train-config={config}", "--minutes=1", "--extra=max_steps=2,warmup_steps=1"]
+    campaign(train)
+    weights = load_file(str(root / "hydra" / "heads.safetensors"))
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.bfloat16}
+    ledger = json.loads((root / "ledger.json").read_text())
+    run = ledger["runs"][0]
+    assert run["steps"] == 2 and len(run["heldout_top1"]) == 2 and "init_heads" not in run["command"]
+    assert "eval_data=" in run["command"] and str(root / first["file"]) in run["command"]
+    assert not (Path("runs/campaign/train") / "checkpoints").exists()  # finished: nothing left to resume
+    capsys.readouterr()
+    campaign(train)
+    second = json.loads((root / "ledger.json").read_text())["runs"][1]
+    assert f"init_heads={root / 'hydra'}" in second["command"]
+    assert f"warm start from {root / 'hydra'}" in capsys.readouterr().out
+    again = load_file(str(root / "hydra" / "heads.safetensors"))
+    assert any(not torch.equal(again[k], v) for k, v in weights.items() if v.is_floating_point())
+
+
+def test_glob_and_gzip_sources(tmp_path):
+    for i in range(2):
+        plain = write_chat_jsonl(tmp_path / f"part{i}.jsonl", n=5, seed=i)
+        (tmp_path / f"part{i}.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    sources = D.parse_sources(f"{tmp_path}/part*.jsonl.gz,sharegpt[3:9]")
+    assert [Path(s[0]).name for s in sources[:2]] == ["part0.jsonl.gz", "part1.jsonl.gz"] and sources[2][1:] == (3, 9)
+    records, _ = D.read_records(tmp_path / "part1.jsonl.gz")
+    assert len(records) == 5
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        D.parse_sources(f"{tmp_path}/nothing*.jsonl.gz")
+
+
+def test_copyable_marks_tokens_prompt_lookup_would_find():
+    # index:   0  1  2  3  4  5  6
+    seq = [5, 6, 7, 9, 5, 6, 7]
+    assert copyable(seq) == [False, False, False, False, False, False, True]  # (5, 6) -> 7 seen at 0..2
+
+
+def test_position_hits_and_tally_by_facet():
+    choice = torch.tensor([1, 2, 3, 4])               # the target's token for t + 1
+    ranked = torch.tensor([[2, 9, 4, 0], [3, 4, 0, 0]])  # head 1 proposes t + 2 (= choice[t + 1]), head 2 t + 3
+    hits = position_hits(ranked, choice)
+    assert hits[0, :3].tolist() == [1.0, 0.0, 1.0] and hits[0, 3].isnan()
+    assert hits[1, :2].tolist() == [1.0, 1.0] and hits[1, 2:].isnan().all()
+    tally = Tally(2)
+    tally.add("g", hits, {"copyable": ["True", "False", "True", "False"]})
+    rows = {(r["facet"], r["value"]): r for r in tally.rows()}
+    assert rows[("all", "all")]["top1"] == [round(2 / 3, 3), 1.0]
+    assert rows[("copyable", "True")]["top1"] == [1.0, 1.0] and rows[("copyable", "False")]["top1"][0] == 0.0

@@ -1,0 +1,258 @@
+"""medusa-lite campaign: the drafter's training campaign, kept in the repository so that every run, on whatever
+machine, leaves it further along and never back at zero.
+
+    medusa-lite campaign status                      # what the campaign holds
+    medusa-lite campaign data --minutes 120          # self-distil the next prompt chunks (a partial chunk resumes)
+    medusa-lite campaign eval                        # the held-out documents (once; a fixed yardstick)
+    medusa-lite campaign train --minutes 120         # resume or warm-start training on all committed data
+
+Everything lives under ``--root`` (``campaign/`` in a checkout), small enough to commit:
+
+* ``ledger.json``: every data chunk (the exact command, seed, prompt range, records, answer tokens, machine,
+  tokens/s) and every training run (steps, tokens, minutes, machine, held-out top-1 per position);
+* ``data/distill-NNNNN.jsonl.gz``: the target's own answers to prompts ``NNNNN .. NNNNN + chunk`` of the seeded
+  ShareGPT shuffle, kinds taken in turn (``distill-data --mix``); a chunk cut short by ``--minutes`` is committed
+  as it stands and finished by the next ``data`` run;
+* ``eval/heldout.jsonl.gz``: answers to prompts of the range reserved at the end of the shuffle (never trained on);
+* ``<head_type>/``: the drafter after the last run (bf16 weights, config, card), which the next run starts from.
+
+``train`` runs ``medusa-lite train --config CONFIG`` with ``data`` = every committed chunk plus the config's own
+sources, ``eval_data`` = the held-out file and ``init_heads`` = the committed drafter (a DeepSpeed checkpoint left
+in ``output_dir`` by an interrupted run on the same machine is resumed instead), then writes the drafter back in
+bf16 and records the run.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from medusa_lite.settings import Names, SettingsParser, option
+
+LEDGER = "ledger.json"
+STAGES = ("status", "data", "eval", "train")
+DEFAULT_POSITIONS_PER_S = 500  # one AVX2 core, fp32 (docs/training.md); later runs use their predecessor's speed
+
+
+@dataclass
+class CampaignSettings:
+    """``medusa-lite campaign STAGE`` settings: these defaults < ``--config FILE`` < flags."""
+
+    root: str = option("campaign", "the campaign's directory (committed)")
+    minutes: float = option(60.0, "wall-time budget of this data or train run")
+    threads: int | None = option(1, "torch threads (1 leaves the other cores free)")
+    # data
+    target: str | None = option(None, "distill-data --target (default: the bundled default target)")
+    prompts: str = option("sharegpt", "distill-data --prompts: where the prompts come from")
+    chunk: int = option(350, "prompts per data chunk")
+    max_chunks: int | None = option(None, "data: stop after this many chunks (finished or not) even with time left")
+    mix: Names = option(Names(("chat", "multi", "summarize", "translate", "passage", "arithmetic", "code")),
+                        "prompt kinds (distill-data --mix)")
+    seed: int = option(0, "seed of the prompt shuffle (fixed for a campaign: the ledger refuses another)")
+    eval_start: int = option(17000, "prompts from here on are reserved for the held-out set")
+    eval_prompts: int = option(210, "prompts of the held-out set")
+    dtype: str = option("fp32", "distill-data --dtype (bf16 only where the CPU runs it natively)")
+    batch_size: int = option(32, "distill-data --batch-size")
+    # train
+    train_config: str = option("smollm2-135m-eagle3", "training config (a shipped name or a YAML path)")
+    extra: Names = option(Names(()), "further train overrides, key=value")
+    output_dir: str = option("runs/campaign/train", "the training run's scratch directory (checkpoints, features)")
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[CampaignSettings, str]:
+    parser = SettingsParser(CampaignSettings, prog="medusa-lite campaign", description=__doc__, kind="campaign")
+    parser.add_argument("stage", choices=STAGES, help="what to do")
+    settings, ns = parser.parse(argv)
+    return settings, ns.stage
+
+
+# ---------------------------------------------------------------------------------------------- ledger
+def load_ledger(root: Path, args: CampaignSettings) -> dict:
+    path = root / LEDGER
+    if not path.is_file():
+        return {"seed": args.seed, "mix": list(args.mix), "eval_start": args.eval_start, "data": [], "eval": None,
+                "runs": []}
+    ledger = json.loads(path.read_text())
+    for key in ("seed", "mix", "eval_start"):
+        if ledger[key] != (list(args.mix) if key == "mix" else getattr(args, key)):
+            raise ValueError(f"{path}: the campaign was made with {key}={ledger[key]!r}; this run asks for "
+                             f"{getattr(args, key)!r} (a campaign keeps one prompt order)")
+    return ledger
+
+
+def save_ledger(root: Path, ledger: dict) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (LEDGER + ".tmp")
+    tmp.write_text(json.dumps(ledger, indent=1) + "\n")
+    tmp.replace(root / LEDGER)
+
+
+def next_chunk(ledger: dict, chunk: int) -> dict:
+    """The first unfinished chunk, else a new one after the last; never inside the reserved held-out range."""
+    for entry in ledger["data"]:
+        if not entry["complete"]:
+            return entry
+    start = max((e["skip_prompts"] + e["num_prompts"] for e in ledger["data"]), default=0)
+    num = min(chunk, ledger["eval_start"] - start)
+    if num <= 0:
+        raise ValueError(f"every prompt before the held-out range ({ledger['eval_start']}) is answered")
+    entry = {"file": f"data/distill-{start:05d}.jsonl.gz", "skip_prompts": start, "num_prompts": num,
+             "records": 0, "answer_tokens": 0, "seconds": 0.0, "complete": False, "runs": []}
+    ledger["data"].append(entry)
+    return entry
+
+
+# ---------------------------------------------------------------------------------------------- data
+def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: float, scratch: Path) -> None:
+    """Answer (the rest of) ``entry``'s prompts for at most ``minutes``; the chunk file is rewritten compressed."""
+    from medusa_lite.train import distill_data
+    from medusa_lite.train.train import hardware
+
+    committed, work = root / entry["file"], scratch / Path(entry["file"]).name.removesuffix(".gz")
+    work.parent.mkdir(parents=True, exist_ok=True)
+    work.write_bytes(gzip.decompress(committed.read_bytes()) if committed.is_file() else b"")
+    argv = ["--out", str(work), "--prompts", args.prompts, "--mix", ",".join(args.mix), "--num-prompts", str(entry["num_prompts"]),
+            "--skip-prompts", str(entry["skip_prompts"]), "--seed", str(args.seed), "--dtype", args.dtype,
+            "--batch-size", str(args.batch_size), "--time-limit-minutes", f"{minutes:.1f}"]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.target:
+        argv += ["--target", args.target]
+    result = distill_data.main(argv)
+    committed.parent.mkdir(parents=True, exist_ok=True)
+    committed.write_bytes(gzip.compress(work.read_bytes(), mtime=0))
+    entry["records"] = sum(1 for line in work.read_text().splitlines() if line.strip())
+    entry["answer_tokens"] += result["answer_tokens"]
+    entry["seconds"] += result["seconds"]
+    entry["complete"] = result["complete"]
+    entry["command"] = "medusa-lite distill-data " + " ".join(a for a in argv if not a.startswith("--time"))
+    entry["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware(),
+                          "answer_tokens": result["answer_tokens"], "seconds": result["seconds"],
+                          "tokens_per_s": round(result["answer_tokens"] / max(result["seconds"], 1e-9), 1)})
+
+
+def run_data(root: Path, ledger: dict, args: CampaignSettings) -> None:
+    """Chunk after chunk until ``--minutes`` are spent (the last one stops after the batch that reaches them)."""
+    deadline, chunks = time.time() + 60 * args.minutes, 0
+    while args.max_chunks is None or chunks < args.max_chunks:
+        chunks += 1
+        entry = next_chunk(ledger, args.chunk)
+        distill_chunk(root, entry, args, max(deadline - time.time(), 0) / 60, Path("runs/campaign/data"))
+        save_ledger(root, ledger)
+        print(f"campaign: {entry['file']}: {entry['records']} records, complete={entry['complete']}", flush=True)
+        if time.time() >= deadline:
+            return
+
+
+def run_eval(root: Path, ledger: dict, args: CampaignSettings) -> None:
+    """The held-out documents: answers to ``eval_prompts`` prompts from ``eval_start`` on (made once)."""
+    entry = ledger["eval"] or {"file": "eval/heldout.jsonl.gz", "skip_prompts": args.eval_start,
+                               "num_prompts": args.eval_prompts, "records": 0, "answer_tokens": 0, "seconds": 0.0,
+                               "complete": False, "runs": []}
+    ledger["eval"] = entry
+    if not entry["complete"]:
+        distill_chunk(root, entry, args, args.minutes, Path("runs/campaign/eval"))
+        save_ledger(root, ledger)
+    print(f"campaign: {entry['file']}: {entry['records']} held-out records, complete={entry['complete']}")
+
+
+# ---------------------------------------------------------------------------------------------- train
+def train_overrides(root: Path, ledger: dict, args: CampaignSettings, base) -> list[str]:
+    """The train command's overrides: every committed chunk before the config's own ``data``, the held-out file,
+    the committed drafter to start from, and a schedule (``max_steps``) that fits ``--minutes`` at the last run's
+    speed."""
+    chunks = [str(root / e["file"]) for e in ledger["data"] if e["records"]]
+    positions_per_s = ledger["runs"][-1]["positions_per_s"] if ledger["runs"] else DEFAULT_POSITIONS_PER_S
+    steps = max(int(args.minutes * 60 * positions_per_s / (base.micro_batch_size * base.grad_accum * base.seq_len)),
+                2 * base.warmup_steps)
+    out = [f"data={','.join(chunks + [base.data])}", f"output_dir={args.output_dir}", f"max_steps={steps}",
+           f"time_limit_minutes={args.minutes}"]
+    if ledger["eval"] and ledger["eval"]["records"]:
+        out.append(f"eval_data={root / ledger['eval']['file']}")
+    if (root / base.head_type / "medusa_config.json").is_file():
+        out.append(f"init_heads={root / base.head_type}")
+    if args.threads:
+        out.append(f"threads={args.threads}")
+    return out + list(args.extra)
+
+
+def ship_drafter(heads_dir: Path, dest: Path) -> None:
+    """Copy a trained heads directory to ``dest`` with its weights in bf16 (ids stay integers)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from medusa_lite.config import WEIGHTS_NAME
+
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(heads_dir, tmp)
+    state = load_file(str(heads_dir / WEIGHTS_NAME))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
+              str(tmp / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
+    from medusa_lite.train import train as T
+
+    base = T.build_config(args.train_config, list(args.extra))
+    overrides = train_overrides(root, ledger, args, base)
+    marker = Path(args.output_dir) / "campaign-run.json"
+    if marker.is_file():  # a run this machine did not finish: its checkpoint resumes under its own settings
+        overrides = json.loads(marker.read_text())
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(overrides) + "\n")
+    result = T.main(["--config", args.train_config, *overrides])
+    if "heads_dir" not in result:
+        print("campaign: training stopped before its end (checkpoint kept in output_dir); rerun to finish")
+        return
+    ship_drafter(Path(result["heads_dir"]), root / base.head_type)
+    shutil.rmtree(Path(args.output_dir) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
+    marker.unlink()
+    stats, ev = result["stats"], result.get("eval", {})
+    ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": T.hardware(),
+                           "command": "medusa-lite train --config " + args.train_config + " " + " ".join(overrides),
+                           "steps": stats["step"], "positions": stats["tokens"],
+                           "positions_per_s": round(stats["this_run_steps"] * stats["positions_per_step"]
+                                                    / max(stats["this_run_seconds"], 1e-9), 1),
+                           "minutes": round(stats["this_run_seconds"] / 60, 1),
+                           "data_chunks": sum(1 for e in ledger["data"] if e["records"]),
+                           "answer_tokens": sum(e["answer_tokens"] for e in ledger["data"]),
+                           "heldout_top1": ev.get("top1"), "heldout_top5": ev.get("top5")})
+    save_ledger(root, ledger)
+    print(f"campaign: drafter written to {root / base.head_type}; held-out top-1 {ev.get('top1')}")
+
+
+def status(ledger: dict) -> str:
+    done = [e for e in ledger["data"] if e["records"]]
+    lines = [f"data: {len(done)} chunks, {sum(e['records'] for e in done)} records, "
+             f"{sum(e['answer_tokens'] for e in done)} answer tokens"
+             + ("" if all(e["complete"] for e in ledger["data"]) else " (one chunk unfinished)"),
+             f"held-out: {ledger['eval']['records'] if ledger['eval'] else 0} records",
+             f"training runs: {len(ledger['runs'])}"]
+    lines += [f"  {r['date']} {r['steps']} steps, {r['minutes']} min, held-out top-1 {r['heldout_top1']}"
+              for r in ledger["runs"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, stage = parse_args(argv)
+    root = Path(args.root)
+    ledger = load_ledger(root, args)
+    if stage == "data":
+        run_data(root, ledger, args)
+    elif stage == "eval":
+        run_eval(root, ledger, args)
+    elif stage == "train":
+        run_train(root, ledger, args)
+    print(status(ledger))
+    return ledger
+
+
+if __name__ == "__main__":
+    main()
