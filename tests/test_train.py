@@ -423,6 +423,13 @@ def test_export_vllm_key_names_and_config(material, tmp_path):
     tensors = load_file(str(tmp_path / "vllm-small" / "model.safetensors"))
     assert torch.equal(tensors["token_map"], torch.arange(16) * 3)
     assert torch.equal(tensors["lm_heads.1.weight"], target.get_output_embeddings().weight[torch.arange(16) * 3])
+    # an EAGLE-3 drafter over the whole vocabulary has no d2t / t2d (vLLM has no such parameters and refuses them)
+    from medusa_lite.drafters.eagle3 import Eagle3Config
+
+    MedusaModel(target, Eagle3Config(num_heads=2)).save_pretrained(tmp_path / "eagle3-full")
+    export_main([str(tmp_path / "eagle3-full"), str(tmp_path / "vllm-eagle3-full"), "--target", str(material["target"])])
+    tensors = load_file(str(tmp_path / "vllm-eagle3-full" / "model.safetensors"))
+    assert "d2t" not in tensors and "t2d" not in tensors and tensors["lm_head.weight"].shape[0] == 64
     # Hydra heads have no vLLM counterpart
     MedusaModel(target, MedusaConfig(num_heads=2, head_type="hydra")).save_pretrained(tmp_path / "hydra")
     with pytest.raises(ValueError, match="hydra"):

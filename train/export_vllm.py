@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         check_fingerprint(config.target_fingerprint, target, args.heads_dir)
         lm_head_weight = target.get_output_embeddings().weight
     out = export_vllm(args.heads_dir, args.out_dir, lm_head_weight=lm_head_weight, dtype=args.dtype)
-    print(f"wrote vLLM Medusa checkpoint to {out}")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"wrote a vLLM {architecture} checkpoint to {out}")
 
 
 if __name__ == "__main__":

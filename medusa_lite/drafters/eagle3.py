@@ -320,15 +320,17 @@ class Eagle3Drafter(PathDrafter):
     # ------------------------------------------------------------------ export
     @classmethod
     def export_vllm(cls, config, state, lm_head_weight, dtype):
-        """vLLM's EAGLE-3 checkpoint (``Eagle3LlamaForCausalLM``): ``midlayer.*``, ``fc``, ``norm``, ``lm_head``,
-        ``d2t`` (draft index -> target id offset) and ``t2d`` (target ids in the draft vocabulary)."""
+        """vLLM's EAGLE-3 checkpoint (``Eagle3LlamaForCausalLM``): ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, and
+        for a reduced draft vocabulary ``d2t`` (draft index -> target id offset) and ``t2d`` (target ids in the draft
+        vocabulary); over the whole vocabulary vLLM has no such parameters and refuses to load them."""
         vocab = config.draft_vocab_size or config.vocab_size
-        draft_ids = state.get("draft_ids", torch.arange(vocab))
         tensors = {k: v for k, v in state.items() if k != "draft_ids"}
-        tensors["d2t"] = (draft_ids - torch.arange(vocab)).long()
-        t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-        t2d[draft_ids] = True
-        tensors["t2d"] = t2d
+        if vocab < config.vocab_size:
+            draft_ids = state["draft_ids"]
+            tensors["d2t"] = (draft_ids - torch.arange(vocab)).long()
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[draft_ids] = True
+            tensors["t2d"] = t2d
         vllm_config = {
             "architectures": ["Eagle3LlamaForCausalLM"], "model_type": "llama",
             "hidden_size": config.hidden_size, "target_hidden_size": config.hidden_size,
