@@ -103,3 +103,13 @@ def test_position_hits_and_tally_by_facet():
     rows = {(r["facet"], r["value"]): r for r in tally.rows()}
     assert rows[("all", "all")]["top1"] == [round(2 / 3, 3), 1.0]
     assert rows[("copyable", "True")]["top1"] == [1.0, 1.0] and rows[("copyable", "False")]["top1"][0] == 0.0
+
+
+def test_distill_drops_a_last_line_cut_off_by_an_interrupted_write(tmp_path):
+    from medusa_lite.train.distill_data import answered_indices
+
+    out = tmp_path / "part.jsonl"
+    out.write_text(json.dumps({"source_index": 3}) + "\n" + json.dumps({"source_index": 5}) + "\n" + '{"source_in')
+    assert answered_indices(out) == {3, 5}
+    assert out.read_text().endswith("}\n")
+    assert answered_indices(tmp_path / "none.jsonl") == set()

@@ -114,7 +114,9 @@ def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: floa
 
     committed, work = root / entry["file"], scratch / Path(entry["file"]).name.removesuffix(".gz")
     work.parent.mkdir(parents=True, exist_ok=True)
-    work.write_bytes(gzip.decompress(committed.read_bytes()) if committed.is_file() else b"")
+    saved = gzip.decompress(committed.read_bytes()) if committed.is_file() else b""
+    if not work.is_file() or work.read_bytes().count(b"\n") < saved.count(b"\n"):  # else: this machine's newer part
+        work.write_bytes(saved)
     argv = ["--out", str(work), "--prompts", args.prompts, "--mix", ",".join(args.mix), "--num-prompts", str(entry["num_prompts"]),
             "--skip-prompts", str(entry["skip_prompts"]), "--seed", str(args.seed), "--dtype", args.dtype,
             "--batch-size", str(args.batch_size), "--time-limit-minutes", f"{minutes:.1f}"]

@@ -130,6 +130,17 @@ def prompts_of(path: Path, kinds: tuple[str, ...], *, limit: int, skip: int, see
     return out
 
 
+def answered_indices(out: Path) -> set[int]:
+    """Prompt indices already answered in ``out``; a last line cut off by an interrupted write is dropped."""
+    if not out.is_file():
+        return set()
+    text = out.read_bytes()
+    complete, _, tail = text.rpartition(b"\n")
+    if tail.strip():  # written without its newline: the process stopped inside the write
+        out.write_bytes(complete + b"\n" if complete else b"")
+    return {json.loads(line)["source_index"] for line in complete.split(b"\n") if line.strip()}
+
+
 @torch.no_grad()
 def greedy_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
     """The target's greedy answers (token ids, through the first EOS) to the chats' last user turns, batched with
@@ -168,8 +179,7 @@ def main(argv=None) -> dict:
                       ["input_ids"]) for i, _, chat in prompts}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {json.loads(line)["source_index"] for line in out.read_text().splitlines() if line.strip()} \
-        if out.is_file() else set()
+    done = answered_indices(out)
     todo = sorted(((i, kind, chat) for i, kind, chat in prompts if i not in done and lengths[i] <= args.max_prompt_tokens),
                   key=lambda it: lengths[it[0]])
     print(f"distill: {len(todo)} prompts to answer ({len(done)} already in {out})", flush=True)
