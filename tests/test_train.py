@@ -150,6 +150,34 @@ def test_only_assistant_tokens_carry_loss_weight():
     assert untrained_user and heads.grad[0, 0, untrained_user].abs().max() == 0
 
 
+@pytest.mark.parametrize("whole_documents", [False, True])
+def test_windows_train_every_position_and_head_once_within_its_document(whole_documents):
+    """Stream windows (overlapping) and document windows (whole documents, packed) both train each (position, head)
+    pair whose predicted token is trained and in the same document exactly once per epoch; document windows also
+    start every trained document at a window start, so its whole prompt is in view."""
+    lengths, k_heads, seq_len = [5, 7, 3, 9, 4, 12], 2, 12
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    mask = torch.ones(len(segments), dtype=torch.uint8)
+    mask[torch.tensor([0, 5, 12])] = 0  # untrained first tokens of three documents
+    data = D.TokenData(torch.arange(len(segments)), mask, segments, len(lengths))
+    starts = D.make_windows(data, seq_len=seq_len, num_heads=k_heads, whole_documents=whole_documents)
+    w = D.window_weights(mask, segments, starts, seq_len=seq_len, num_heads=k_heads, total=len(segments),
+                         whole_documents=whole_documents)
+    trained = [(k, int(s) + t) for k in range(k_heads) for b, s in enumerate(starts)
+               for t in torch.nonzero(w[k, b]).flatten().tolist()]
+    expected = [(k, p) for k in range(k_heads) for p in range(len(segments))
+                if p + 2 + k < len(segments) and segments[p + 2 + k] == segments[p] and mask[p + 2 + k]]
+    assert sorted(trained) == sorted(expected)
+    if whole_documents:
+        assert starts.tolist() == [0, 12, 24, 28]  # 5 + 7 | 3 + 9 | 4 (+ 12 would not fit) | 12
+        doc_starts = {lo for lo, _ in data.doc_slices()}
+        for b, s in enumerate(starts.tolist()):
+            first = min(s + t for k in range(k_heads) for t in torch.nonzero(w[k, b]).flatten().tolist())
+            assert max(lo for lo in doc_starts if lo <= first) >= s  # the document began inside this window
+        with pytest.raises(ValueError, match="max_doc_len"):
+            D.make_windows(data, seq_len=8, num_heads=k_heads, whole_documents=True)
+
+
 def test_kl_loss_is_zero_when_heads_reproduce_the_teacher():
     torch.manual_seed(0)
     k_heads, b, t, v = 3, 2, 12, 11

@@ -278,22 +278,47 @@ def build_token_data(tokenizer, records: list[dict], *, max_len: int, num_proc: 
     return TokenData(torch.cat(ids), torch.cat(mask), torch.cat(segs), len(ids))
 
 
-def make_windows(data: TokenData, *, seq_len: int, num_heads: int) -> torch.Tensor:
+def make_windows(data: TokenData, *, seq_len: int, num_heads: int, whole_documents: bool = False) -> torch.Tensor:
     """Start offsets [W] of windows of ``seq_len`` tokens over the flat stream.
 
     Consecutive windows overlap by ``num_heads + 1`` tokens, and a window trains only its first
     ``seq_len - num_heads - 1`` positions, so every (position, head) pair is trained exactly once per epoch.
     Windows that predict no trained token (long prompts) are left out: they would cost a step for nothing.
+
+    ``whole_documents``: each window starts at a document and holds whole documents, packed in stream order, so a
+    drafter that attends over the context (EAGLE-3) trains on every answer token with its whole prompt in view, as
+    it decodes; documents must fit a window (``max_doc_len <= seq_len``).
     """
+    if whole_documents:
+        return document_windows(data, seq_len=seq_len)
     stride = seq_len - num_heads - 1
     if stride < 1:
         raise ValueError(f"seq_len={seq_len} must exceed num_heads + 1 = {num_heads + 1}")
     n = int(data.ids.numel())
-    starts = torch.arange(0, max(n - num_heads - 2, 1), stride)
+    starts = torch.arange(0, max(n - 2, 1), stride)                # the last predicting position is n - 3
     seen = torch.cat([torch.zeros(1, dtype=torch.long), data.mask.long().cumsum(0)])  # [N + 1]
     lo = (starts + 2).clamp(max=n)                                  # first predicted token
     hi = (starts + stride + num_heads + 1).clamp(max=n)             # one past the last
     return starts[seen[hi] - seen[lo] > 0]
+
+
+def document_windows(data: TokenData, *, seq_len: int) -> torch.Tensor:
+    """Start offsets [W] of windows that begin at a document and hold as many whole documents as fit."""
+    starts, window_start = [], None
+    for lo, hi in data.doc_slices():
+        if hi - lo > seq_len:
+            raise ValueError(f"a document of {hi - lo} tokens does not fit a window of seq_len={seq_len}: "
+                             f"set max_doc_len <= seq_len")
+        if window_start is None or hi - window_start > seq_len:
+            starts.append(lo)
+            window_start = lo
+    return torch.tensor(starts, dtype=torch.long)
+
+
+def document_ends(segments: torch.Tensor) -> torch.Tensor:
+    """[N] -> [N]: the end offset (exclusive) of each position's document."""
+    ends = torch.tensor([hi for _, hi in segment_slices(segments)])
+    return ends[torch.unique_consecutive(segments, return_inverse=True)[1]]
 
 
 def gather_windows(tensor: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -303,21 +328,23 @@ def gather_windows(tensor: torch.Tensor, starts: torch.Tensor, seq_len: int) -> 
 
 
 def window_weights(mask: torch.Tensor, segments: torch.Tensor, starts: torch.Tensor, *, seq_len: int,
-                   num_heads: int, total: int) -> torch.Tensor:
+                   num_heads: int, total: int, whole_documents: bool = False) -> torch.Tensor:
     """Loss weights [K, B, T]: head k at window position t predicts the token at t + 2 + k.
 
     Weight 1 when that token is trained on, lies in the same document, is inside the stream, and t is
-    one of the window's own positions (t < seq_len - num_heads - 1, see :func:`make_windows`).
+    one of the window's own positions: t < seq_len - num_heads - 1 (see :func:`make_windows`), or with
+    ``whole_documents`` a position of a document that ends inside the window.
     """
-    own = seq_len - num_heads - 1
     pos = starts[:, None] + torch.arange(seq_len)[None]                      # [B, T] absolute position
+    src_c = pos.clamp(max=total - 1)
+    if whole_documents:
+        own = document_ends(segments)[src_c] <= starts[:, None] + seq_len    # [B, T]
+    else:
+        own = (torch.arange(seq_len) < seq_len - num_heads - 1)[None].expand(len(starts), seq_len)
     weights = torch.zeros(num_heads, len(starts), seq_len)
     for k in range(num_heads):
         tgt = pos + 2 + k                                                    # [B, T]
-        ok = (tgt < total)
         tgt_c = tgt.clamp(max=total - 1)
-        src_c = pos.clamp(max=total - 1)
-        ok &= mask[tgt_c].bool() & (segments[tgt_c] == segments[src_c])
-        ok[:, own:] = False
+        ok = (tgt < total) & mask[tgt_c].bool() & (segments[tgt_c] == segments[src_c]) & own
         weights[k] = ok.float()
     return weights

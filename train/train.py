@@ -60,6 +60,10 @@ class TrainConfig:
                                          "when data grows")
     max_doc_len: int = option(1024, "documents are truncated to this many tokens")
     seq_len: int = option(256, "training window length")
+    windows: Literal["stream", "document"] = option(
+        "stream", "stream: overlapping windows over the concatenated documents; document: each window starts at a "
+                  "document and holds whole ones (needs max_doc_len <= seq_len), so an attending drafter (eagle3) "
+                  "trains with the whole prompt in view, as it decodes")
     num_proc: int | None = option(None, "datasets.map workers")
     # loss / optimisation
     loss: Literal["kl", "ce"] = option("kl", "kl: self-distillation to the target; ce: the data's tokens")
@@ -107,6 +111,10 @@ class TrainConfig:
             raise ValueError("aux_layers and intermediate_size shape an eagle3 drafter (head_type=eagle3)")
         if self.seq_len <= self.num_heads + 1:
             raise ValueError(f"seq_len={self.seq_len} must exceed num_heads + 1")
+        if self.windows not in ("stream", "document"):
+            raise ValueError(f"windows must be 'stream' or 'document', got {self.windows!r}")
+        if self.windows == "document" and self.max_doc_len > self.seq_len:
+            raise ValueError(f"windows=document needs max_doc_len ({self.max_doc_len}) <= seq_len ({self.seq_len})")
 
 
 def settings_parser() -> SettingsParser:
@@ -539,7 +547,8 @@ def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torc
     ids = D.gather_windows(data.ids, starts, cfg.seq_len).to(rt.device)           # [B, T]
     segments = D.gather_windows(data.segments, starts, cfg.seq_len).to(rt.device)  # [B, T] document index
     weights = D.window_weights(data.mask, data.segments, starts, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
-                               total=int(data.ids.numel())).to(rt.device)         # [K, B, T]
+                               total=int(data.ids.numel()),
+                               whole_documents=cfg.windows == "document").to(rt.device)  # [K, B, T]
     lm_head = model.base_model.get_output_embeddings()
     with torch.no_grad(), autocast(cfg, rt):
         if hidden is not None:
@@ -592,7 +601,8 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
 def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden, rt: Runtime) -> dict[str, Any]:
     """Per-head top-1 / top-5 agreement with the target's argmax on the held-out windows, the heads
     proposing from the vocabulary they decode with (``draft_ids`` when set)."""
-    starts = D.make_windows(data, seq_len=cfg.seq_len, num_heads=cfg.num_heads)
+    starts = D.make_windows(data, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
+                            whole_documents=cfg.windows == "document")
     mine = starts[rt.rank::rt.world]
     hits = {1: torch.zeros(cfg.num_heads), 5: torch.zeros(cfg.num_heads)}
     count = torch.zeros(cfg.num_heads)
@@ -638,7 +648,8 @@ def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: R
                  f"among this data's most frequent; they cover {proj.coverage:.4f} of its trained tokens)")
     elif proj is not model.base_model.get_output_embeddings():
         log0(rt, f"draft vocabulary: {proj.out_features} tokens cover {proj.coverage:.4f} of trained tokens")
-    batches = Batches(D.make_windows(train_data, seq_len=cfg.seq_len, num_heads=cfg.num_heads), cfg, rt)
+    batches = Batches(D.make_windows(train_data, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
+                                     whole_documents=cfg.windows == "document"), cfg, rt)
     stop = cfg.max_steps if cfg.max_steps_this_run is None else min(cfg.max_steps, step + cfg.max_steps_this_run)
     log_file = (out / "train_log.jsonl").open("a") if rt.rank == 0 else None
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step",
