@@ -77,10 +77,13 @@ def position_hits(ranked: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
 
 
 def bucket(value: int, bounds: tuple[int, ...]) -> str:
+    """A label that sorts in numeric order: '0000-0255', ..., '2048+'."""
+    lo = 0
     for b in bounds:
         if value < b:
-            return f"<{b}"
-    return f">={bounds[-1]}"
+            return f"{lo:04d}-{b - 1:04d}"
+        lo = b
+    return f"{bounds[-1]:04d}+"
 
 
 class Tally:
@@ -125,9 +128,14 @@ def score_sequence(model, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, 
     copy = copyable(seq)
     # head 1 at t predicts index first + t + 2; its facets describe that token
     index = [first + t + 2 for t in range(hits.shape[1])]
+    vocab = getattr(model.drafter, "draft_ids", None)
+    proposable = set(vocab.tolist()) if vocab is not None else None
     labels = {"context": [bucket(j, CONTEXT_BUCKETS) for j in index],
               "answer_position": [bucket(j - start, ANSWER_BUCKETS) for j in index],
-              "copyable": [str(copy[j]) if j < len(seq) else "n/a" for j in index]}
+              "copyable": [str(copy[j]) if j < len(seq) else "n/a" for j in index],
+              # can the drafter propose the token at all (its draft vocabulary)? its misses elsewhere are its own
+              "in_draft_vocab": [str(proposable is None or int(choice[t + 1]) in proposable) if t + 1 < len(choice)
+                                 else "n/a" for t in range(hits.shape[1])]}
     return hits, labels
 
 
