@@ -172,8 +172,10 @@ def specbench_sequences(model, tokenizer, args) -> list[tuple[str, torch.Tensor,
 
 def heldout_sequences(tokenizer, path: str, limit: int) -> list[tuple[str, torch.Tensor, int]]:
     """Chat JSONL records -> (group, ids, start of the last assistant turn)."""
+    from medusa_lite.train.data import read_text
+
     out = []
-    for line in Path(path).read_text().splitlines()[:limit]:
+    for line in read_text(Path(path)).splitlines()[:limit]:
         rec = json.loads(line)
         messages = rec["messages"]
         ids = tokenizer.apply_chat_template(messages, return_tensors="pt", return_dict=True)["input_ids"][0]
