@@ -32,7 +32,8 @@ import torch
 
 from .drafters import drafter_features
 from .fit import BUCKETS, bucket_of
-from .generate import GenerationStats, cache_kwarg, verify_forward
+from ._hf import cache_kwarg
+from .generate import GenerationStats, verify_forward
 from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree, tree_json
 from .verify import accept
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._hf import dtype_name
+from ._version import __version__
+
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "heads.safetensors"
 TREE_NAME = "tree.json"
@@ -20,25 +23,9 @@ DEFAULT_TREE: list[list[int]] = [
 ]
 
 
-def text_config(config):
-    """The decoder's config (multimodal configs nest it; plain LM configs are their own)."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def dtype_name(dtype) -> str:
-    """torch.bfloat16 / 'bfloat16' / 'bf16' -> 'bfloat16' (the key of ``MedusaConfig.dtype_trees``)."""
-    name = str(dtype).removeprefix("torch.")
-    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, name)
-
-
 def sample_key(dtype) -> str:
     """Key of ``MedusaConfig.dtype_trees`` for the tree calibrated for sampling in ``dtype``."""
     return f"{dtype_name(dtype)}:sample"
-
-
-def _version() -> str:
-    from . import __version__
-    return __version__
 
 
 @dataclass
@@ -62,7 +49,7 @@ class MedusaConfig:
     base_model: str | None = None
     target_fingerprint: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)  # data, tokens seen, command, metrics
-    library_version: str = field(default_factory=_version)
+    library_version: str = __version__
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):

@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .machine import describe
+
 ACCEPTANCE_NAME = "acceptance.json"
 ACCEPTANCE_FORMAT = "medusa_lite.acceptance/1"
 BUCKETS = (0, 256, 1024)            # context-length buckets: [0, 256), [256, 1024), [1024, ...)
@@ -418,8 +420,6 @@ class HardwareFit:
 
     def report(self) -> str:
         """The machine and, per context bucket, the fitted tree and its predicted speed (for logs)."""
-        from .probe import describe
-
         lines = [f"machine: {describe(self.fingerprint)}; "
                  + ("fit read from the cache" if self.cache_hit else f"probed in {self.probe_seconds:.1f} s")
                  + (f"; packed GEMM for verify forwards of {self.packed_from}+ tokens" if self.packed_from else "")]

@@ -9,7 +9,6 @@ token (the choice at the last accepted node) becomes the next root.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,9 +16,9 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from ._hf import cache_kwarg, context_length, prefill_kwargs
 from .cache import (batch_attention_mask, check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
                     new_cache, select_rows, tree_attention_mask)
-from .config import text_config
 from .drafters import Draft, Drafter, DraftState, drafter_features
 from .sampling import build_warpers, target_probs
 from .tree import DynamicTree, TreeBuffers, buffers_from_parents, build_buffers, lookup_continuation, merge_chain, truncate
@@ -207,16 +206,6 @@ class FittedPlan:
                 "realized_tokens_per_second": [t / s if s > 0 else None for t, s in self.realized]}
 
 
-def cache_kwarg(target) -> str:
-    """transformers >= 5.2x names the cache argument ``cache``; older models ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-
-
-def _prefill_kwargs(target) -> dict:
-    """``logits_to_keep=1`` for prefill where the target supports it (saves a [L, V] logits tensor)."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(target.forward).parameters else {}
-
-
 def verify_forward(target, stats: GenerationStats | None, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers,
                    cache_len: int, kernels=None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``.
@@ -235,16 +224,6 @@ def verify_forward(target, stats: GenerationStats | None, cache_arg: dict, token
         stats.target_time += time.perf_counter() - t0
         stats.target_forwards += 1
     return out
-
-
-def context_length(config) -> int | None:
-    """The target's maximum number of positions, if its config states one."""
-    config = text_config(config)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 @dataclass(eq=False)
@@ -381,7 +360,7 @@ class SpeculativeBatch:
             check_batchable(cache)  # raises, naming why
         t0 = time.perf_counter()
         out = self.target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
-                          **{self.cache_key: cache}, **_prefill_kwargs(self.target))
+                          **{self.cache_key: cache}, **prefill_kwargs(self.target))
         seconds = time.perf_counter() - t0
         staying = []
         for seq in seqs:

@@ -17,11 +17,12 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache import check_model
-from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
+from ._hf import context_length, text_config
+from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig
 from .fit import AcceptanceTable, BatchGuards, HardwareFit, SpeedGuard, fit_trees, tree_key
 from .drafters import build_drafter, drafter_class, drafter_features
 from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree,
-                       context_length, run_batch)
+                       run_batch)
 from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, load_tree, parse_tree, tree_json
 

@@ -256,7 +256,7 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     fit = cfg.get("fit")
     if fit:
-        from medusa_lite.probe import describe
+        from medusa_lite.machine import describe
         lines += ["", f"tree fitted to this machine ({describe(fit['fingerprint'])}), per context bucket:", "",
                   "| context | fitted tree | predicted tok/s | realized tok/s (speculative steps) | plain predicted tok/s |",
                   "|---|---|---|---|---|"]

@@ -40,7 +40,8 @@ from transformers import StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from medusa_lite import MedusaModel
-from medusa_lite.generate import GenerationStats, context_length
+from medusa_lite._hf import context_length
+from medusa_lite.generate import GenerationStats
 from medusa_lite.settings import SettingsParser, option
 from medusa_lite.targets import DEFAULT_TARGET, load_model
 from medusa_lite.tree import parse_tree, tree_nodes
@@ -285,7 +286,7 @@ class Metrics:
 
     def record_fit(self, fit, decoding: str) -> None:
         """Publish a :class:`medusa_lite.fit.HardwareFit` (``decoding``: greedy or sample)."""
-        from medusa_lite.probe import describe
+        from medusa_lite.machine import describe
 
         rows = fit.summary()["buckets"]
         self._contexts[decoding] = [row["context"] for row in rows]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from train_helpers import role_tokenizer, write_chat_jsonl, write_config, write_target
 
-from medusa_lite.settings import CONFIGS_DIR, resolve_config
+from medusa_lite.paths import CONFIGS_DIR, resolve_config
 from medusa_lite.train import data as D
 from medusa_lite.drafters.heads import heads_loss
 from medusa_lite.train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step
@@ -101,7 +101,7 @@ def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_precision_auto_follows_the_hardware(native, monkeypatch):
-    import medusa_lite.probe as probe
+    import medusa_lite.machine as probe
     from medusa_lite.train.train import resolve_precision
 
     monkeypatch.setattr(probe, "native_bf16", lambda device: (native, "made up"))
@@ -112,7 +112,7 @@ def test_precision_auto_follows_the_hardware(native, monkeypatch):
 
 
 def test_native_bf16_respects_the_isa_limit():
-    import medusa_lite.probe as probe
+    import medusa_lite.machine as probe
 
     code = "from medusa_lite.probe import native_bf16; print(native_bf16('cpu')[0])"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}

@@ -26,7 +26,8 @@ from safetensors.torch import load_file, save_file
 from medusa_lite.config import WEIGHTS_NAME, MedusaConfig
 from medusa_lite.drafters import drafter_class
 from medusa_lite.settings import SettingsParser, option
-from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype
+from medusa_lite._hf import parse_dtype
+from medusa_lite.targets import DEFAULT_TARGET, load_target
 
 def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: torch.Tensor | None = None,
                 dtype: str | torch.dtype = "bf16") -> Path:

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import socket
 import sys
 import time
@@ -27,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from medusa_lite.train import data as D
-from medusa_lite.settings import Ints, SettingsParser, option, resolve_config
+from medusa_lite.machine import hardware_summary
+from medusa_lite.paths import resolve_config
+from medusa_lite.settings import Ints, SettingsParser, option
 from medusa_lite.drafters.heads import num_positions
 from medusa_lite.train.loss import agreement
 
@@ -540,7 +541,7 @@ def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torc
 def resolve_precision(requested: str, device: torch.device) -> tuple[str, str]:
     """``precision: auto`` -> 'bf16' where ``device`` runs bf16 matmuls natively, else 'fp32' (on a CPU without
     bf16 instructions a bf16 forward costs several fp32 ones); an explicit choice is kept. Returns (precision, why)."""
-    from medusa_lite.probe import native_bf16
+    from medusa_lite.machine import native_bf16
 
     if requested != "auto":
         return requested, "set in the config"
@@ -672,20 +673,6 @@ def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: R
 
 
 # ================================================================================================ save
-def hardware() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU: {cpu}, {os.cpu_count()} cores"
-
-
 def save_heads(cfg: TrainConfig, model, engine: Engine, rt: Runtime, provenance: dict[str, Any]) -> Path:
     """Heads directory (MedusaModel.save_pretrained) + README.md card; full weights under ZeRO-3."""
     out = Path(cfg.output_dir) / "heads"
@@ -790,7 +777,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "global_batch_windows": cfg.micro_batch_size * cfg.grad_accum * rt.world,
         "train_seconds": round(stats["train_seconds"], 1), "wall_seconds": round(time.time() - t0, 1),
         "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
-        "hardware": hardware(), "world_size": rt.world,
+        "hardware": hardware_summary(), "world_size": rt.world,
         "engine": f"deepspeed ZeRO-{engine.zero_stage}",
         "command": launch_command(rt, argv), "draft_vocab_coverage": stats["draft_vocab_coverage"],
         "eval": metrics, "config": dataclasses.asdict(cfg),
