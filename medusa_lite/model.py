@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -18,9 +17,9 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .cache import check_model
 from ._hf import context_length, text_config
-from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig
+from .config import TREE_NAME, WEIGHTS_NAME
 from .fit import AcceptanceTable, BatchGuards, HardwareFit, SpeedGuard, fit_trees, tree_key
-from .drafters import build_drafter, drafter_class, drafter_features
+from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
 from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree,
                        run_batch)
 from .sampling import DraftSampler, build_warpers, check_supported
@@ -80,9 +79,7 @@ class MedusaModel(nn.Module):
     def __init__(self, base_model, config: MedusaConfig | None = None, *, freeze: bool = True):
         super().__init__()
         config = config or MedusaConfig()
-        config_class = drafter_class(config.head_type).config_class
-        if config_class is not None and not isinstance(config, config_class):  # e.g. MedusaConfig(head_type="eagle3")
-            config = config_class(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        config = as_drafter_config(config)  # e.g. MedusaConfig(head_type="eagle3") -> Eagle3Config
         cfg = text_config(base_model.config)
         lm_head = base_model.get_output_embeddings()
         if lm_head is None:

@@ -96,7 +96,8 @@ def load_model(target: str | Path | None = None, heads: str | Path | None = None
     """
     import warnings
 
-    from .config import CONFIG_NAME, MedusaConfig
+    from .config import CONFIG_NAME
+    from .drafters import MedusaConfig
     from .model import MedusaModel
 
     base, tokenizer = load_target(target, dtype=dtype, device=device)

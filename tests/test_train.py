@@ -101,10 +101,10 @@ def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_precision_auto_follows_the_hardware(native, monkeypatch):
-    import medusa_lite.machine as probe
+    import medusa_lite.machine as machine
     from medusa_lite.train.train import resolve_precision
 
-    monkeypatch.setattr(probe, "native_bf16", lambda device: (native, "made up"))
+    monkeypatch.setattr(machine, "native_bf16", lambda device: (native, "made up"))
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32", "made up")
     assert resolve_precision("fp32", torch.device("cpu"))[0] == "fp32"  # an explicit choice is kept
     assert resolve_precision("bf16", torch.device("cpu"))[0] == "bf16"
@@ -112,13 +112,13 @@ def test_precision_auto_follows_the_hardware(native, monkeypatch):
 
 
 def test_native_bf16_respects_the_isa_limit():
-    import medusa_lite.machine as probe
+    import medusa_lite.machine as machine
 
-    code = "from medusa_lite.probe import native_bf16; print(native_bf16('cpu')[0])"
+    code = "from medusa_lite.machine import native_bf16; print(native_bf16('cpu')[0])"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     limited = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert limited.stdout.strip() == "False"  # AVX2 kernels: no bf16 matmul units, whatever the CPU has
-    assert isinstance(probe.native_bf16("cpu")[0], bool)
+    assert isinstance(machine.native_bf16("cpu")[0], bool)
 
 
 # ------------------------------------------------------------------------------------------- data

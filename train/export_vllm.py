@@ -23,7 +23,8 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_lite.config import WEIGHTS_NAME, MedusaConfig
+from medusa_lite.config import WEIGHTS_NAME
+from medusa_lite.drafters import MedusaConfig
 from medusa_lite.drafters import drafter_class
 from medusa_lite.settings import SettingsParser, option
 from medusa_lite._hf import parse_dtype

@@ -181,8 +181,8 @@ def barrier(rt: Runtime) -> None:
 # ================================================================================================ build
 def build_model(cfg: TrainConfig, rt: Runtime):
     """Frozen target + fresh heads (fp32 master weights). Returns (MedusaModel, tokenizer)."""
-    from medusa_lite import MedusaConfig, MedusaModel
-    from medusa_lite.drafters import drafter_class
+    from medusa_lite import MedusaModel
+    from medusa_lite.drafters import config_class
     from medusa_lite.targets import DEFAULT_TARGET, load_target
 
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
@@ -190,10 +190,9 @@ def build_model(cfg: TrainConfig, rt: Runtime):
     shape = {"aux_layers": list(cfg.aux_layers)} if cfg.aux_layers else {}
     if cfg.intermediate_size:
         shape["intermediate_size"] = cfg.intermediate_size
-    config_class = drafter_class(cfg.head_type).config_class or MedusaConfig
-    head_cfg = config_class(num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head,
-                            head_type=cfg.head_type, draft_vocab_size=_draft_vocab_size(cfg, target),
-                            base_model=cfg.target or DEFAULT_TARGET, **shape)
+    head_cfg = config_class(cfg.head_type)(
+        num_heads=cfg.num_heads, num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head, head_type=cfg.head_type,
+        draft_vocab_size=_draft_vocab_size(cfg, target), base_model=cfg.target or DEFAULT_TARGET, **shape)
     torch.manual_seed(cfg.seed)
     model = MedusaModel(target, head_cfg)  # freezes the target: requires_grad False, eval()
     model.drafter.float()

@@ -1,6 +1,6 @@
 """The drafter contract: everything that proposes a tree of tokens for the target to verify.
 
-A drafter is an ``nn.Module`` registered by name (:func:`medusa_lite.drafters.register_drafter`) with its
+A drafter is an ``nn.Module`` registered by name (:func:`medusa_lite.drafters.registry.register_drafter`) with its
 config class. The speculative loop (:func:`medusa_lite.generate.speculative_generate`) knows only this:
 
 - ``hidden_layers``: which of the target's ``hidden_states`` it reads (-1: the final-norm states), concatenated
@@ -65,6 +65,13 @@ class DraftState:
 
 
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step
+
+
+def drafter_features(hidden_states, layers: tuple[int, ...]) -> torch.Tensor:
+    """A target forward's ``hidden_states`` -> the features of ``layers`` concatenated on the last dimension."""
+    if len(layers) == 1:
+        return hidden_states[layers[0]]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 class Drafter(nn.Module):

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._hf import text_config
-from ..config import DEFAULT_TREE, MedusaConfig
+from ..config import DEFAULT_TREE
 from ..tree import truncate
-from . import register_drafter
 from .base import DraftState, PathDrafter
 from .heads import heads_loss
+from .registry import MedusaConfig, register_drafter
 
 
 @dataclass

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..tree import DynamicTree, TreeBuffers, tree_tokens
 from ..verify import Proposals
-from . import register_drafter
 from .base import Draft, Drafter, PathDrafter
+from .registry import register_drafter
 
 
 class ResBlock(nn.Module):
