@@ -1,8 +1,8 @@
 """medusa_lite: exact speculative decoding with Medusa draft heads on a frozen Hugging Face causal LM."""
 
 from ._version import __version__
+from .decode import GenerationStats
 from .drafters import MedusaConfig
-from .generate import GenerationStats
 from .model import HeadsMismatchError, MedusaModel
 from .targets import load_model
 

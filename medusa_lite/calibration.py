@@ -31,9 +31,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .drafters import drafter_features
-from .fit import BUCKETS, bucket_of
 from ._hf import cache_kwarg
-from .generate import GenerationStats, verify_forward
+from .cache import new_cache
+from .fit import BUCKETS, bucket_of, interpolate_latency
+from .fit.probe import verify_seconds
 from .tree import Choices, TreeSpec, build_buffers, chain, expected_length, grow_tree, tree_json
 from .verify import accept
 
@@ -69,39 +70,6 @@ def accuracies_from_counts(hits: torch.Tensor, totals: torch.Tensor) -> list[lis
     return [[float(h) / max(int(n), 1) for h in row] for row, n in zip(hits.tolist(), totals.tolist())]
 
 
-def interpolate_latency(table: dict[int, float], tokens: int) -> float:
-    """Forward latency (seconds) for ``tokens`` new tokens from a measured ``{tokens: seconds}`` table.
-
-    Piecewise linear between measured points; flat below the smallest; beyond the largest, extended
-    with the slope of the last two points (never decreasing).
-    """
-    if not table:
-        raise ValueError("empty latency table")
-    xs = sorted(table)
-    if tokens in table:
-        return float(table[tokens])
-    if tokens <= xs[0]:
-        return float(table[xs[0]])
-    if tokens >= xs[-1]:
-        if len(xs) == 1:
-            return float(table[xs[-1]])
-        x0, x1 = xs[-2], xs[-1]
-        slope = max((table[x1] - table[x0]) / (x1 - x0), 0.0)
-        return float(table[x1] + slope * (tokens - x1))
-    for x0, x1 in zip(xs, xs[1:]):
-        if x0 <= tokens <= x1:
-            w = (tokens - x0) / (x1 - x0)
-            return float(table[x0] * (1 - w) + table[x1] * w)
-    raise AssertionError("unreachable")
-
-
-def monotone_latency(table: dict[int, float]) -> dict[int, float]:
-    """Remove timing noise that makes a bigger forward look cheaper: latency(n) = min over m >= n of table[m]."""
-    out, best = {}, float("inf")
-    for n in sorted(table, reverse=True):
-        best = min(best, float(table[n]))
-        out[n] = best
-    return dict(sorted(out.items()))
 
 
 @dataclass
@@ -182,8 +150,6 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
     Sizes are interleaved across repeats so machine noise spreads evenly. Returns
     ``{N: {"median": s, "min": s}}``.
     """
-    from .cache import new_cache
-
     device = target.get_output_embeddings().weight.device
     vocab = target.get_output_embeddings().weight.shape[0]
     gen = torch.Generator().manual_seed(seed)
@@ -196,11 +162,9 @@ def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: in
         for n in times:
             buffers = build_buffers(chain(n - 1), device)
             ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
-            stats = GenerationStats()
-            verify_forward(target, stats, {kw: cache}, ids, buffers, cache_len)  # exactly what decoding runs
-            cache.crop(-n)  # drop the n tokens just appended
+            seconds = verify_seconds(target, cache, ids, buffers, cache_len)  # exactly what decoding runs
             if rep > 0:
-                times[n].append(stats.target_time)
+                times[n].append(seconds)
     return {n: {"median": statistics.median(ts), "min": min(ts)} for n, ts in times.items()}
 
 

@@ -147,6 +147,11 @@ def load_tree(path: str | Path) -> TreeSpec:
     return parse_tree(data["choices"] if isinstance(data, dict) and "choices" in data else data)
 
 
+def tree_key(tree) -> str:
+    """A stable text key of a tree's JSON form (dict keys sorted)."""
+    return json.dumps(tree, sort_keys=True, separators=(",", ":"))
+
+
 def truncate(choices: Choices, max_depth: int) -> Choices:
     """Keep only the nodes of depth <= ``max_depth``."""
     return [p for p in choices if len(p) <= max_depth]

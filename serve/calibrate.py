@@ -36,14 +36,15 @@ import torch
 from tqdm.auto import tqdm
 
 from medusa_lite import MedusaConfig
-from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, drafter_inputs,
-                                     interpolate_latency, measure_forward_latency, measure_head_accuracy,
-                                     measure_sampling, monotone_latency, replay_acceptance)
 from medusa_lite._hf import dtype_name
+from medusa_lite.calibration import (DEFAULT_LATENCY_TOKENS, DEFAULT_SIZES, choose_tree, drafter_inputs,
+                                     measure_forward_latency, measure_head_accuracy, measure_sampling,
+                                     replay_acceptance)
 from medusa_lite.config import TREE_NAME, sample_key
-from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
-from medusa_lite.settings import Ints, SettingsParser, option
+from medusa_lite.fit import interpolate_latency, monotone_latency
 from medusa_lite.paths import PRETRAINED_DIR
+from medusa_lite.settings import Ints, SettingsParser, option
+from medusa_lite.specbench import DEFAULT_QUESTIONS, chat_prompt, load_questions
 from medusa_lite.targets import load_model
 from medusa_lite.tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json, tree_nodes
 

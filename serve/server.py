@@ -4,7 +4,7 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 -> server-sent events in OpenAI's chunk format), ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 Scheduling: continuous batching. One worker thread decodes up to ``max_batch_size`` requests at once
-(:class:`medusa_lite.generate.SpeculativeBatch`): every step verifies all their trees in one target forward;
+(:class:`medusa_lite.decode.SpeculativeBatch`): every step verifies all their trees in one target forward;
 between steps finished and cancelled requests leave and waiting ones join. Trees shrink as the batch grows
 (priced by the latency model fitted to this machine, capped at ``max_batched_tokens`` per step). Up to
 ``max_queue`` more requests wait in a FIFO queue and further requests get 429 with ``Retry-After``. A request
@@ -41,7 +41,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from medusa_lite import MedusaModel
 from medusa_lite._hf import context_length
-from medusa_lite.generate import GenerationStats
+from medusa_lite.decode import GenerationStats
 from medusa_lite.settings import SettingsParser, option
 from medusa_lite.targets import DEFAULT_TARGET, load_model
 from medusa_lite.tree import parse_tree, tree_nodes
@@ -336,7 +336,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token: float | None = None
-    seq: Any = None          # its row in the running batch (medusa_lite.generate.Sequence), once admitted
+    seq: Any = None          # its row in the running batch (medusa_lite.decode.Sequence), once admitted
     detok: Any = None
 
     def emit(self, kind: str, payload: Any = None) -> None:
@@ -413,7 +413,7 @@ class _JobStreamer:
 
 class Engine:
     """Owns the model; admits jobs into a bounded FIFO and decodes up to ``max_batch_size`` of them at once on one
-    thread (continuous batching, :class:`medusa_lite.generate.SpeculativeBatch`): between two verify steps,
+    thread (continuous batching, :class:`medusa_lite.decode.SpeculativeBatch`): between two verify steps,
     cancelled rows leave and waiting jobs join (each prefilled by a forward of its own); every step verifies all
     rows' trees in one target forward of at most ``max_batched_tokens`` tree tokens. Each row stops, streams and
     fails on its own: its output is its solo output whatever the other rows do."""
@@ -880,7 +880,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("continuous batching: up to %d requests at once, %d tree tokens per step", engine.max_batch_size,
              settings.max_batched_tokens)
     for decoding in ("greedy", "sample"):
-        fit = model._fits.get(model._fit_key(decoding == "sample"))
+        fit = model.fitted(sample=decoding == "sample")
         sizes = [b for b in (2, 4, 8, 16, 32) if b <= engine.max_batch_size]
         if fit is not None and sizes:  # the tree per batch size, per context bucket (tree tokens, root included)
             log.info("%s decoding, tree tokens per row by batch size and context bucket: %s", decoding,

@@ -1,7 +1,7 @@
 """The drafter contract: everything that proposes a tree of tokens for the target to verify.
 
 A drafter is an ``nn.Module`` registered by name (:func:`medusa_lite.drafters.registry.register_drafter`) with its
-config class. The speculative loop (:func:`medusa_lite.generate.speculative_generate`) knows only this:
+config class. The speculative loop (:func:`medusa_lite.decode.speculative_generate`) knows only this:
 
 - ``hidden_layers``: which of the target's ``hidden_states`` it reads (-1: the final-norm states), concatenated
   on the last dimension: its features are [..., F] with F = len(hidden_layers) * H.
