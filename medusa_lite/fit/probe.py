@@ -40,11 +40,18 @@ def verify_seconds(target, cache, ids: torch.Tensor, buffers, cache_len: int, ke
     return seconds
 
 
+def overhead_per_step(stats: list) -> float:
+    """Seconds per verify step spent outside target forwards (drafting, verification, bookkeeping), over the
+    :class:`~medusa_lite.decode.GenerationStats` of some generations. The one routine for the per-step overhead."""
+    outside = sum(s.wall_time - s.target_time for s in stats)
+    return max(outside / max(sum(s.verify_steps for s in stats), 1), 0.0)
+
+
 def step_overhead(model, prompt: torch.Tensor) -> float:
     """The loop's own per-step bookkeeping (seconds outside target forwards): a few steps of plain decoding."""
     _, stats = speculative_generate(model.base_model, model.drafter, model.plan([]), prompt, _greedy_config(),
                                     max_new_tokens=9)
-    return max((stats.wall_time - stats.target_time) / max(stats.verify_steps, 1), 0.0)
+    return overhead_per_step([stats])
 
 
 class _Latency:
