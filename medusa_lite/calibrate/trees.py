@@ -85,7 +85,6 @@ def sampling_candidates(model, sequences, acc, current, args) -> list[dict]:
 def greedy_candidates(model, sequences, acc, table, overhead_per_step, current, args) -> list[dict]:
     """The formula's best static tree of every size (+ dynamic trees for Hydra heads), each replayed on the
     continuations (measured tokens/step and drafting time) unless ``--no-replay``, + prompt-lookup branches."""
-    target = model.base_model
     _, formula = choose_tree(acc, table, args.sizes, overhead=overhead_per_step)
     rows = [{"kind": "static", "tree": c.choices, "size": c.size, "expected_length": c.expected_length,
              "tokens_per_step": c.expected_length, "step_ms": c.latency * 1e3, "tokens_per_second": c.tokens_per_second}

@@ -17,7 +17,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 
 from .._hf import cache_kwarg, context_length
 from ..cache import check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, select_rows
-from ..drafters import Draft, Drafter
+from ..drafters import Draft, Drafter, DraftState
 from .forward import prefill, read_features, verify_forward, verify_rows
 from .plans import BatchPlanner, Plan, first_nodes
 from .sequence import GenerationStats, Sequence, record_step

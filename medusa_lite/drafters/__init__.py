@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from . import eagle3, heads  # noqa: F401  (registers medusa, hydra and eagle3)
+from . import eagle3, heads  # noqa: F401  (importing them registers medusa, hydra and eagle3)
 from .base import Draft, Drafter, DraftState, TreeShape, drafter_features
 from .registry import DRAFTERS, MedusaConfig, as_drafter_config, build_drafter, config_class, drafter_class, register_drafter
 

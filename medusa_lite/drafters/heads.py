@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tree import DynamicTree, TreeBuffers, tree_tokens
+from ..tree import DynamicTree, tree_tokens
 from ..verify import Proposals
 from .base import Draft, Drafter, PathDrafter
 from .registry import register_drafter
