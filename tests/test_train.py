@@ -19,7 +19,11 @@ from train_helpers import role_tokenizer, write_chat_jsonl, write_config, write_
 from medusa_lite.paths import CONFIGS_DIR, resolve_config
 from medusa_lite.train import data as D
 from medusa_lite.drafters.heads import heads_loss
-from medusa_lite.train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step
+from medusa_lite.train.config import TrainConfig
+from medusa_lite.train.engine import Engine
+from medusa_lite.train.loop import train_step
+from medusa_lite.train.runtime import init_runtime
+from medusa_lite.train.train import build_config, build_model, main
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -89,7 +93,8 @@ def test_config_precedence_and_errors(tmp_path):
 
 
 def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
-    from medusa_lite.train.train import Runtime, load_deepspeed_config
+    from medusa_lite.train.engine import load_deepspeed_config
+    from medusa_lite.train.runtime import Runtime
 
     cfg = TrainConfig(micro_batch_size=3, grad_accum=2, precision="bf16", deepspeed="zero3")
     ds = load_deepspeed_config(cfg, Runtime(0, 4, torch.device("cpu")))
@@ -102,7 +107,7 @@ def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
 @pytest.mark.parametrize("native", [True, False])
 def test_precision_auto_follows_the_hardware(native, monkeypatch):
     import medusa_lite.machine as machine
-    from medusa_lite.train.train import resolve_precision
+    from medusa_lite.train.config import resolve_precision
 
     monkeypatch.setattr(machine, "native_bf16", lambda device: (native, "made up"))
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32", "made up")

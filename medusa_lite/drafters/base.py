@@ -67,6 +67,11 @@ class DraftState:
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step
 
 
+def num_positions(seq_len: int, num_heads: int) -> int:
+    """Positions per training window that every head trains on (the window's last num_heads + 1 only teach)."""
+    return seq_len - num_heads - 1
+
+
 def drafter_features(hidden_states, layers: tuple[int, ...]) -> torch.Tensor:
     """A target forward's ``hidden_states`` -> the features of ``layers`` concatenated on the last dimension."""
     if len(layers) == 1:
