@@ -1,7 +1,7 @@
 """One settings mechanism for every command: a dataclass, a YAML file and the command line.
 
 Precedence: the dataclass defaults < the YAML file given by ``--config`` < flags on the command line.
-``--config`` takes a path or the name of a file shipped under ``medusa_lite/configs/<kind>/``
+``--config`` takes a path or the name of a file shipped under ``configs/<kind>/`` (installed as ``medusa_lite.configs``)
 (``medusa-lite train --config smollm2-135m``). Flags are transformers' ``HfArgumentParser`` flags of the
 dataclass fields (``--max_steps 10`` or ``--max-steps 10``; booleans ``--fit false`` / ``--no-fit``);
 ``key=value`` is the same flag. A YAML value is checked exactly as the same value typed as a flag, so an
