@@ -3,7 +3,8 @@
 from ._version import __version__
 from .decode import GenerationStats
 from .drafters import MedusaConfig
-from .model import HeadsMismatchError, MedusaModel
+from .heads_io import HeadsMismatchError
+from .model import MedusaModel
 from .targets import load_model
 
 __all__ = ["MedusaConfig", "MedusaModel", "GenerationStats", "HeadsMismatchError", "load_model", "__version__"]

@@ -2,66 +2,22 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ._hf import context_length, text_config
 from .cache import check_model
-from .config import TREE_NAME, WEIGHTS_NAME
 from .decode import GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree, run_batch
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
 from .fit import AcceptanceTable, BatchGuards, FitSession, FittedPlan, HardwareFit, SpeedGuard
+from .heads_io import HeadsMismatchError, check_fingerprint, load_config, load_weights, save_heads, target_fingerprint
 from .sampling import DraftSampler, build_warpers, check_supported
-from .tree import DynamicTree, TreeSpec, WithLookup, load_tree, parse_tree, tree_json, tree_key
-
-_PROBE_ROWS = 8
-_PROBE_COLS = 8
-
-
-class HeadsMismatchError(ValueError):
-    """Heads were trained for a different target."""
-
-
-def target_fingerprint(target) -> dict[str, Any]:
-    """Identity of a target that survives dtype changes: config shape hash + a probe of its ``lm_head``.
-
-    The probe is a few ``lm_head`` entries, compared with a tolerance at load time (bf16 / GGUF
-    de-quantisation keep them within a few percent; another model does not).
-    """
-    cfg = text_config(target.config)
-    shape = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                                 "num_attention_heads", "intermediate_size")}
-    weight = target.get_output_embeddings().weight
-    rows = torch.linspace(0, weight.shape[0] - 1, _PROBE_ROWS).long()
-    probe = weight.detach()[rows, :_PROBE_COLS].float().cpu().flatten().tolist()
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-    return {"config_sha256": digest, "shape": shape, "lm_head_probe": [round(x, 5) for x in probe]}
-
-
-def check_fingerprint(saved: dict[str, Any] | None, target, source: str) -> None:
-    """Raise :class:`HeadsMismatchError` when ``saved`` does not describe ``target``."""
-    if not saved:
-        return
-    current = target_fingerprint(target)
-    if saved.get("config_sha256") != current["config_sha256"]:
-        raise HeadsMismatchError(
-            f"heads in {source} were trained for a target with {saved.get('shape')}, "
-            f"but the given target has {current['shape']}")
-    a = torch.tensor(saved.get("lm_head_probe", []))
-    b = torch.tensor(current["lm_head_probe"])
-    if a.shape != b.shape or not torch.allclose(a, b, rtol=0.05, atol=0.02 * float(b.abs().max()) + 1e-6):
-        raise HeadsMismatchError(
-            f"heads in {source} were trained for a different target (its lm_head weights differ): "
-            "same architecture, other weights. Load them onto the target they were trained for.")
-
+from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree, tree_key
 
 class MedusaModel(nn.Module):
     """Frozen target (``base_model``) + a registered drafter (``drafter``, :mod:`medusa_lite.drafters`): loads,
@@ -108,32 +64,16 @@ class MedusaModel(nn.Module):
     # ------------------------------------------------------------------ formats
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``medusa_config.json``, ``heads.safetensors`` and ``tree.json`` (never the target)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config.save(directory)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.drafter.state_dict().items()}
-        save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
-        (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices,
-                                                       "by_dtype": self.config.dtype_trees}) + "\n")
-        if self.acceptance is not None:
-            self.acceptance.save(directory)
+        save_heads(directory, self.config, self.drafter, self.acceptance)
 
     @classmethod
     def from_pretrained(cls, base_model, heads_dir: str | Path, **kwargs) -> "MedusaModel":
         """Attach the heads saved in ``heads_dir`` to ``base_model``; a mismatched target is an error."""
         heads_dir = Path(heads_dir)
-        config = MedusaConfig.load(heads_dir)
-        if (heads_dir / TREE_NAME).is_file() and config.tree is None:
-            config.tree = tree_json(parse_tree(load_tree(heads_dir / TREE_NAME), config.num_heads))
+        config = load_config(heads_dir)
         check_fingerprint(config.target_fingerprint, base_model, str(heads_dir))
         model = cls(base_model, config, **kwargs)
-        weights = heads_dir / WEIGHTS_NAME
-        if not weights.is_file():
-            raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
-        state = load_file(str(weights), device=str(model.heads_device))
-        missing, unexpected = model.drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
+        load_weights(model.drafter, heads_dir, model.heads_device)
         model.acceptance = AcceptanceTable.load(heads_dir)
         model.heads_dir = heads_dir
         return model
@@ -352,17 +292,23 @@ class MedusaModel(nn.Module):
                 raise seq.error
         self.last_batch_stats = [seq.stats for seq in seqs]
         self.last_stats = seqs[0].stats
-        width = max(seq.stats.new_tokens for seq in seqs)
-        pad = seqs[0].config.pad_token_id
-        if pad is None:
-            eos = seqs[0].config.eos_token_id
-            pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
-        out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), int(pad))
-        out[:, :input_ids.shape[1]] = input_ids
-        for b, seq in enumerate(seqs):
-            new = seq.new_tokens.to(input_ids.device)
-            out[b, input_ids.shape[1]: input_ids.shape[1] + new.numel()] = new
-        return out
+        return _outputs(input_ids, seqs)
+
+
+def _outputs(input_ids: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[B, prompt + new]: each row's prompt and new tokens, rows that finished first padded with ``pad_token_id`` on
+    the right (else the first EOS id, else 0)."""
+    width = max(seq.stats.new_tokens for seq in seqs)
+    pad = seqs[0].config.pad_token_id
+    if pad is None:
+        eos = seqs[0].config.eos_token_id
+        pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+    out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), int(pad))
+    out[:, :input_ids.shape[1]] = input_ids
+    for b, seq in enumerate(seqs):
+        new = seq.new_tokens.to(input_ids.device)
+        out[b, input_ids.shape[1]: input_ids.shape[1] + new.numel()] = new
+    return out
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         if target_path is None and config.base_model not in (None, DEFAULT_TARGET):
             target_path = config.base_model
         target, _ = load_target(target_path, dtype="fp32")
-        from medusa_lite.model import check_fingerprint
+        from medusa_lite.heads_io import check_fingerprint
 
         check_fingerprint(config.target_fingerprint, target, args.heads_dir)
         lm_head_weight = target.get_output_embeddings().weight
