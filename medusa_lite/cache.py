@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from .config import text_config
+from ._hf import text_config
 from .tree import TreeBuffers, attention_bias, sliding_attention_bias
 
 FULL, SLIDING = "full_attention", "sliding_attention"

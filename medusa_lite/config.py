@@ -1,4 +1,8 @@
-"""MedusaConfig: the heads' shape, the tree and the provenance, stored as ``medusa_config.json``."""
+"""The heads' configuration: their shape, the tree and the provenance, stored as ``medusa_config.json``.
+
+:class:`HeadsConfig` is the plain schema and its JSON I/O; it knows no drafter. The public
+:class:`~medusa_lite.MedusaConfig` (:mod:`medusa_lite.drafters.registry`) adds the check of ``head_type`` against
+the registered drafters and loads a saved config as its drafter's own config class."""
 
 from __future__ import annotations
 
@@ -8,6 +12,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ._hf import dtype_name
+from ._version import __version__
+from .tree import parse_tree, tree_json, truncate
 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "heads.safetensors"
@@ -20,30 +28,14 @@ DEFAULT_TREE: list[list[int]] = [
 ]
 
 
-def text_config(config):
-    """The decoder's config (multimodal configs nest it; plain LM configs are their own)."""
-    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-
-
-def dtype_name(dtype) -> str:
-    """torch.bfloat16 / 'bfloat16' / 'bf16' -> 'bfloat16' (the key of ``MedusaConfig.dtype_trees``)."""
-    name = str(dtype).removeprefix("torch.")
-    return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, name)
-
-
 def sample_key(dtype) -> str:
     """Key of ``MedusaConfig.dtype_trees`` for the tree calibrated for sampling in ``dtype``."""
     return f"{dtype_name(dtype)}:sample"
 
 
-def _version() -> str:
-    from . import __version__
-    return __version__
-
-
 @dataclass
-class MedusaConfig:
-    """Configuration of a set of draft heads.
+class HeadsConfig:
+    """Configuration of a set of draft heads (the schema; :class:`~medusa_lite.MedusaConfig` is what users build).
 
     ``hidden_size``/``vocab_size``/``base_model``/``target_fingerprint`` are filled from the target
     when the heads are attached (:class:`medusa_lite.MedusaModel`); the rest is chosen by the user.
@@ -62,26 +54,21 @@ class MedusaConfig:
     base_model: str | None = None
     target_fingerprint: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)  # data, tokens seen, command, metrics
-    library_version: str = field(default_factory=_version)
+    library_version: str = __version__
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {value!r}")
-        from .drafters import drafter_class
-        drafter = drafter_class(self.head_type)  # ValueError naming the registered ones
         if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
                                                   or self.draft_vocab_size < 1 or not self.share_lm_head):
             raise ValueError("MedusaConfig.draft_vocab_size must be a positive integer and needs share_lm_head=True")
-        from .tree import parse_tree, tree_json
         if self.tree is not None:
             self.tree = tree_json(parse_tree(self.tree, self.num_heads))
         if not isinstance(self.dtype_trees, dict):
             raise ValueError("MedusaConfig.dtype_trees must map a dtype name ('float32', 'bfloat16') to a tree")
         self.dtype_trees = {str(k): tree_json(parse_tree(v, self.num_heads)) for k, v in self.dtype_trees.items()}
-        if "dynamic" in str(self.tree) + str(self.dtype_trees):
-            drafter.require_dynamic_trees()
 
     @property
     def choices(self) -> list[list[int]] | dict:
@@ -91,7 +78,6 @@ class MedusaConfig:
     def default_tree(self, sample: bool = False) -> list[list[int]] | dict:
         """The tree of heads configured with none (``sample``: for sampling): :data:`DEFAULT_TREE`, as deep as the
         heads. A drafter's config class may choose another."""
-        from .tree import truncate
         return truncate(DEFAULT_TREE, self.num_heads)
 
     def choices_for(self, dtype, sample: bool = False) -> list[list[int]] | dict:
@@ -112,15 +98,10 @@ class MedusaConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, strict: bool = True, source: str = "config") -> "MedusaConfig":
+    def from_dict(cls, data: dict[str, Any], *, strict: bool = True, source: str = "config") -> "HeadsConfig":
         """Build from a dict. Unknown keys raise when ``strict`` (user input) and warn otherwise (saved files)."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
-        if cls is MedusaConfig and isinstance(data.get("head_type"), str):  # the registered drafter's config class
-            from .drafters import DRAFTERS
-            drafter = DRAFTERS.get(data["head_type"])
-            if drafter is not None and drafter.config_class not in (None, cls):
-                return drafter.config_class.from_dict(data, strict=strict, source=source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown and strict:
@@ -134,7 +115,7 @@ class MedusaConfig:
         path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
-    def load(cls, directory: str | Path) -> "MedusaConfig":
+    def load(cls, directory: str | Path) -> "HeadsConfig":
         path = Path(directory) / CONFIG_NAME
         if not path.is_file():
             raise FileNotFoundError(f"{directory} is not a medusa_lite heads directory: {CONFIG_NAME} is missing")

@@ -2,69 +2,22 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ._hf import context_length, text_config
 from .cache import check_model
-from .config import TREE_NAME, WEIGHTS_NAME, MedusaConfig, text_config
-from .fit import AcceptanceTable, BatchGuards, HardwareFit, SpeedGuard, fit_trees, tree_key
-from .drafters import build_drafter, drafter_class, drafter_features
-from .generate import (FittedPlan, GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree,
-                       context_length, run_batch)
+from .decode import GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree, run_batch
+from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
+from .fit import AcceptanceTable, BatchGuards, FitSession, FittedPlan, HardwareFit, SpeedGuard
+from .heads_io import HeadsMismatchError, check_fingerprint, load_config, load_weights, save_heads, target_fingerprint
 from .sampling import DraftSampler, build_warpers, check_supported
-from .tree import DynamicTree, TreeSpec, WithLookup, load_tree, parse_tree, tree_json
-
-_PROBE_ROWS = 8
-_PROBE_COLS = 8
-
-
-class HeadsMismatchError(ValueError):
-    """Heads were trained for a different target."""
-
-
-def target_fingerprint(target) -> dict[str, Any]:
-    """Identity of a target that survives dtype changes: config shape hash + a probe of its ``lm_head``.
-
-    The probe is a few ``lm_head`` entries, compared with a tolerance at load time (bf16 / GGUF
-    de-quantisation keep them within a few percent; another model does not).
-    """
-    cfg = text_config(target.config)
-    shape = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                                                 "num_attention_heads", "intermediate_size")}
-    weight = target.get_output_embeddings().weight
-    rows = torch.linspace(0, weight.shape[0] - 1, _PROBE_ROWS).long()
-    probe = weight.detach()[rows, :_PROBE_COLS].float().cpu().flatten().tolist()
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
-    return {"config_sha256": digest, "shape": shape, "lm_head_probe": [round(x, 5) for x in probe]}
-
-
-def check_fingerprint(saved: dict[str, Any] | None, target, source: str) -> None:
-    """Raise :class:`HeadsMismatchError` when ``saved`` does not describe ``target``."""
-    if not saved:
-        return
-    current = target_fingerprint(target)
-    if saved.get("config_sha256") != current["config_sha256"]:
-        raise HeadsMismatchError(
-            f"heads in {source} were trained for a target with {saved.get('shape')}, "
-            f"but the given target has {current['shape']}")
-    a = torch.tensor(saved.get("lm_head_probe", []))
-    b = torch.tensor(current["lm_head_probe"])
-    if a.shape != b.shape or not torch.allclose(a, b, rtol=0.05, atol=0.02 * float(b.abs().max()) + 1e-6):
-        raise HeadsMismatchError(
-            f"heads in {source} were trained for a different target (its lm_head weights differ): "
-            "same architecture, other weights. Load them onto the target they were trained for.")
-
+from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree, tree_key
 
 class MedusaModel(nn.Module):
     """Frozen target (``base_model``) + a registered drafter (``drafter``, :mod:`medusa_lite.drafters`): loads,
@@ -79,9 +32,7 @@ class MedusaModel(nn.Module):
     def __init__(self, base_model, config: MedusaConfig | None = None, *, freeze: bool = True):
         super().__init__()
         config = config or MedusaConfig()
-        config_class = drafter_class(config.head_type).config_class
-        if config_class is not None and not isinstance(config, config_class):  # e.g. MedusaConfig(head_type="eagle3")
-            config = config_class(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+        config = as_drafter_config(config)  # e.g. MedusaConfig(head_type="eagle3") -> Eagle3Config
         cfg = text_config(base_model.config)
         lm_head = base_model.get_output_embeddings()
         if lm_head is None:
@@ -102,13 +53,9 @@ class MedusaModel(nn.Module):
         self.drafter.attach(base_model)
         self.last_stats: GenerationStats | None = None
         self.last_batch_stats: list[GenerationStats] = []
-        self._batch_guards: dict[tuple, BatchGuards] = {}
-        # hardware fit (medusa_lite.fit): the heads' acceptance table, fits and guards per (sampling, dtype, device)
+        # hardware fit (medusa_lite.fit): the heads' acceptance table; fits, guards and kernels per decoding mode
         self.acceptance: AcceptanceTable | None = None
-        self.fit_enabled = os.environ.get("MEDUSA_LITE_FIT", "1").lower() not in ("0", "off", "false", "no")
-        self._fits: dict[tuple, HardwareFit] = {}
-        self._guards: dict[tuple, list[SpeedGuard]] = {}
-        self._kernels: dict[tuple, object] = {}  # verify kernels (medusa_lite.kernels) the probe found faster
+        self.fits = FitSession(self)
         self.heads_dir: Path | None = None  # where from_pretrained read the heads; None: fresh heads
         if freeze:
             base_model.requires_grad_(False)
@@ -117,32 +64,16 @@ class MedusaModel(nn.Module):
     # ------------------------------------------------------------------ formats
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``medusa_config.json``, ``heads.safetensors`` and ``tree.json`` (never the target)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.config.save(directory)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.drafter.state_dict().items()}
-        save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
-        (directory / TREE_NAME).write_text(json.dumps({"choices": self.config.choices,
-                                                       "by_dtype": self.config.dtype_trees}) + "\n")
-        if self.acceptance is not None:
-            self.acceptance.save(directory)
+        save_heads(directory, self.config, self.drafter, self.acceptance)
 
     @classmethod
     def from_pretrained(cls, base_model, heads_dir: str | Path, **kwargs) -> "MedusaModel":
         """Attach the heads saved in ``heads_dir`` to ``base_model``; a mismatched target is an error."""
         heads_dir = Path(heads_dir)
-        config = MedusaConfig.load(heads_dir)
-        if (heads_dir / TREE_NAME).is_file() and config.tree is None:
-            config.tree = tree_json(parse_tree(load_tree(heads_dir / TREE_NAME), config.num_heads))
+        config = load_config(heads_dir)
         check_fingerprint(config.target_fingerprint, base_model, str(heads_dir))
         model = cls(base_model, config, **kwargs)
-        weights = heads_dir / WEIGHTS_NAME
-        if not weights.is_file():
-            raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
-        state = load_file(str(weights), device=str(model.heads_device))
-        missing, unexpected = model.drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
+        load_weights(model.drafter, heads_dir, model.heads_device)
         model.acceptance = AcceptanceTable.load(heads_dir)
         model.heads_dir = heads_dir
         return model
@@ -186,7 +117,7 @@ class MedusaModel(nn.Module):
         return tree.topk if isinstance(tree, DynamicTree) else max((max(p) for p in tree), default=0) + 1
 
     def plan(self, tree: TreeSpec, sampler: DraftSampler | None = None):
-        """The per-step plan of ``tree`` for :func:`medusa_lite.generate.speculative_generate`: a static tree the
+        """The per-step plan of ``tree`` for :func:`medusa_lite.decode.speculative_generate`: a static tree the
         drafter fills, a tree it grows each step (:class:`DynamicTree`), either plus a prompt-lookup branch.
 
         ``sampler`` (sampling mode): static trees draw their tokens from the drafter's distributions;
@@ -198,73 +129,36 @@ class MedusaModel(nn.Module):
         return StaticTree(self.drafter, tree, self.heads_device, sampler)
 
     # ------------------------------------------------------------------ hardware fit
+    @property
+    def fit_enabled(self) -> bool:
+        """Whether ``generate`` decodes with the fitted tree by default (False as with ``MEDUSA_LITE_FIT=0``)."""
+        return self.fits.enabled
+
+    @fit_enabled.setter
+    def fit_enabled(self, value: bool) -> None:
+        self.fits.enabled = bool(value)
+
     def fit_hardware(self, sample: bool = False, *, force: bool = False, progress: bool = True,
                      budget_s: float | None = None) -> HardwareFit | None:
         """The trees fitted to this machine for greedy decoding or sampling (:mod:`medusa_lite.fit`).
 
         Combines the heads' acceptance table (shipped, hardware-independent) with this machine's measured
-        verify latency and drafting cost (:func:`medusa_lite.probe.load_or_probe`: a bounded probe on first
+        verify latency and drafting cost (:func:`medusa_lite.fit.store.load_or_probe`: a bounded probe on first
         use per machine fingerprint, then a cache read). None when the heads have no acceptance table.
         ``force``: measure again even if a valid cached probe exists.
         """
-        from .probe import DEFAULT_BUDGET_S, load_or_probe
+        return self.fits.fit(sample, force=force, progress=progress, budget_s=budget_s)
 
-        key = self._fit_key(sample)
-        if key in self._fits and not force:
-            return self._fits[key]
-        if self.acceptance is None:
-            return None
-        candidates = [c for c in self.acceptance.candidates(sample) if c.tree == [] or self._can_draft(c.tree)]
-        if not candidates:
-            warnings.warn("the heads' acceptance table has no tree these heads can draft: no hardware fit")
-            return None
-        sampler = DraftSampler(build_warpers(GenerationConfig(do_sample=True, top_k=0)), None) if sample else None
-        fingerprint, measured, hit, kernels = load_or_probe(
-            self, [c.tree for c in candidates if c.tree != []], force=force, progress=progress,
-            budget_s=budget_s or DEFAULT_BUDGET_S, max_tokens_per_step=max(max(c.tokens_per_step) for c in candidates),
-            sampler=sampler)
-        ladders = fit_trees(candidates, measured["latency"], measured["draft"], measured["overhead"],
-                            tuple(self.acceptance.buckets))
-        if kernels is not None:
-            kernels.prepare()  # pack the weights now: no decoding step (nor the guard's timing) pays for it
-        fit = HardwareFit(fingerprint, ladders, tuple(self.acceptance.buckets), hit, measured["seconds"],
-                          measured["packed_from"], measured, candidates)
-        self.use_fit(fit, sample, kernels=kernels)
-        return fit
-
-    def _fit_key(self, sample: bool) -> tuple:
-        """Fits, guards and verify kernels are kept per (sampling, dtype, device)."""
-        return sample, self.dtype, self.device
-
-    def _can_draft(self, tree) -> bool:
-        """Whether these heads can draft ``tree`` (JSON form): deep enough, Hydra heads for a dynamic tree."""
-        try:
-            self.plan(parse_tree(tree, self.config.num_heads))
-        except ValueError:
-            return False
-        return True
+    def fitted(self, sample: bool = False) -> HardwareFit | None:
+        """The fit in use for greedy decoding or sampling, without fitting (None: none yet)."""
+        state = self.fits.state(sample)
+        return None if state is None else state.fit
 
     def use_fit(self, fit: HardwareFit, sample: bool = False, *, guard=SpeedGuard, kernels=None) -> None:
         """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), a fresh
         ``guard(ladder)`` per bucket (:class:`medusa_lite.fit.SpeedGuard`, or a ``functools.partial`` of it with
         another window) and the verify ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`; None: stock)."""
-        key = self._fit_key(sample)
-        self._fits[key] = fit
-        self._guards[key] = [guard(ladder) for ladder in fit.ladders]
-        self._batch_guards[key] = BatchGuards(fit, guard)
-        self._kernels[key] = kernels
-
-    def _fitted_plan(self, sample: bool, sampler: DraftSampler | None, fit: bool | None) -> FittedPlan | None:
-        """The plan over the fitted ladders (guards kept across calls), or None when fitting is off (``fit=False``,
-        or ``fit=None`` with ``fit_enabled`` off) or impossible."""
-        if fit is False or (fit is None and not self.fit_enabled):
-            return None
-        fitted = self.fit_hardware(sample)
-        if fitted is None:
-            return None
-        guards = self._guards[self._fit_key(sample)]
-        return FittedPlan(lambda tree: self.plan(parse_tree(tree, self.config.num_heads), sampler), guards,
-                          fitted.buckets)
+        self.fits.use(fit, sample, guard=guard, kernels=kernels)
 
     def _plan_builder(self, sampler: DraftSampler | None):
         """``tree (JSON form) -> plan`` for one sequence (plans kept per tree), for its batched steps."""
@@ -281,15 +175,7 @@ class MedusaModel(nn.Module):
     def batch_guards(self, sample: bool = False, fit: bool | None = None) -> BatchGuards | None:
         """The guards choosing the tree of batched steps (:class:`medusa_lite.fit.BatchGuards`, kept across calls
         per decoding mode), or None when fitting is off or impossible."""
-        if fit is False or (fit is None and not self.fit_enabled):
-            return None
-        fitted = self.fit_hardware(sample)
-        if fitted is None:
-            return None
-        key = self._fit_key(sample)
-        if key not in self._batch_guards or self._batch_guards[key].fit is not fitted:
-            self._batch_guards[key] = BatchGuards(fitted)
-        return self._batch_guards[key]
+        return self.fits.batch_guards(sample, fit)
 
     # ------------------------------------------------------------------ generate
     def sequence(
@@ -307,7 +193,7 @@ class MedusaModel(nn.Module):
         tag: Any = None,
         **kwargs,
     ) -> Sequence:
-        """One prompt ([L] long, no padding) made ready to decode in a :class:`~medusa_lite.generate.SpeculativeBatch`
+        """One prompt ([L] long, no padding) made ready to decode in a :class:`~medusa_lite.decode.SpeculativeBatch`
         (what :meth:`generate` runs, and the server's continuous batching): its generation config checked, its
         stopping criteria, its plan (the fitted tree, or ``tree``) and its plan for batched steps.
         Arguments as :meth:`generate`; ``ValueError`` for anything medusa_lite cannot honour exactly."""
@@ -335,7 +221,8 @@ class MedusaModel(nn.Module):
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
         plan = plan_for = None
         if tree is None:
-            plan = self._fitted_plan(config.do_sample, sampler, fit)
+            plan = self.fits.plan(config.do_sample,
+                                  lambda tree: self.plan(parse_tree(tree, self.config.num_heads), sampler), fit)
             plan_for = self._plan_builder(sampler) if plan is not None else None
         if plan is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
@@ -344,10 +231,10 @@ class MedusaModel(nn.Module):
         return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag)
 
     def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None) -> SpeculativeBatch:
-        """An empty :class:`~medusa_lite.generate.SpeculativeBatch` on this model: its fitted verify kernels, and the
+        """An empty :class:`~medusa_lite.decode.SpeculativeBatch` on this model: its fitted verify kernels, and the
         guards choosing the tree of batched steps (fitted for ``sample``: rows of the other mode get the same trees)."""
-        return SpeculativeBatch(self.base_model, self.drafter, self._kernels.get(self._fit_key(sample)), max_step_tokens,
-                                self.batch_guards(sample, fit))
+        kernels = self.fits.kernels(sample)
+        return SpeculativeBatch(self.base_model, self.drafter, kernels, max_step_tokens, self.batch_guards(sample, fit))
 
     @torch.no_grad()
     def generate(
@@ -405,17 +292,23 @@ class MedusaModel(nn.Module):
                 raise seq.error
         self.last_batch_stats = [seq.stats for seq in seqs]
         self.last_stats = seqs[0].stats
-        width = max(seq.stats.new_tokens for seq in seqs)
-        pad = seqs[0].config.pad_token_id
-        if pad is None:
-            eos = seqs[0].config.eos_token_id
-            pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
-        out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), int(pad))
-        out[:, :input_ids.shape[1]] = input_ids
-        for b, seq in enumerate(seqs):
-            new = seq.new_tokens.to(input_ids.device)
-            out[b, input_ids.shape[1]: input_ids.shape[1] + new.numel()] = new
-        return out
+        return _outputs(input_ids, seqs)
+
+
+def _outputs(input_ids: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """[B, prompt + new]: each row's prompt and new tokens, rows that finished first padded with ``pad_token_id`` on
+    the right (else the first EOS id, else 0)."""
+    width = max(seq.stats.new_tokens for seq in seqs)
+    pad = seqs[0].config.pad_token_id
+    if pad is None:
+        eos = seqs[0].config.eos_token_id
+        pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+    out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), int(pad))
+    out[:, :input_ids.shape[1]] = input_ids
+    for b, seq in enumerate(seqs):
+        new = seq.new_tokens.to(input_ids.device)
+        out[b, input_ids.shape[1]: input_ids.shape[1] + new.numel()] = new
+    return out
 
 
 def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """One settings mechanism for every command: a dataclass, a YAML file and the command line.
 
 Precedence: the dataclass defaults < the YAML file given by ``--config`` < flags on the command line.
-``--config`` takes a path or the name of a file shipped under ``medusa_lite/configs/<kind>/``
+``--config`` takes a path or the name of a file shipped under ``configs/<kind>/`` (installed as ``medusa_lite.configs``)
 (``medusa-lite train --config smollm2-135m``). Flags are transformers' ``HfArgumentParser`` flags of the
 dataclass fields (``--max_steps 10`` or ``--max-steps 10``; booleans ``--fit false`` / ``--no-fit``);
 ``key=value`` is the same flag. A YAML value is checked exactly as the same value typed as a flag, so an
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-CONFIGS_DIR = Path(__file__).parent / "configs"
-_SUFFIXES = {"train": ".yaml", "serve": ".yaml", "deepspeed": ".json", "trees": ".json"}
+from .paths import resolve_config, shipped_configs
+
 _NONE = ("none", "null", "~")
 _KEY_VALUE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 
@@ -32,24 +32,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 class SettingsError(ValueError):
     """An unknown, ill-typed or invalid setting; the message names it."""
-
-
-def shipped_configs(kind: str) -> list[str]:
-    """Names of the files shipped under ``configs/<kind>/``."""
-    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob(f"*{_SUFFIXES.get(kind, '')}"))
-
-
-def resolve_config(kind: str, name_or_path: str | Path) -> Path:
-    """An existing path as given, else the shipped ``configs/<kind>/<name>``: ``'zero2'``, ``'zero2.json'`` and
-    ``'configs/deepspeed/zero2.json'`` (a checkout-relative path of earlier versions) all name the same file."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
-    shipped = CONFIGS_DIR / kind / (path.stem + _SUFFIXES.get(kind, path.suffix))
-    if shipped.is_file() and (path.parent == Path(".") or path.parent.as_posix().endswith(f"configs/{kind}")):
-        return shipped
-    raise FileNotFoundError(f"{kind} config {str(name_or_path)!r}: no such file, and not one of the shipped "
-                            f"{kind} configs {shipped_configs(kind)}")
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", **kwargs) -> Any:

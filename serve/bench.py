@@ -256,7 +256,7 @@ def markdown(report: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     fit = cfg.get("fit")
     if fit:
-        from medusa_lite.probe import describe
+        from medusa_lite.machine import describe
         lines += ["", f"tree fitted to this machine ({describe(fit['fingerprint'])}), per context bucket:", "",
                   "| context | fitted tree | predicted tok/s | realized tok/s (speculative steps) | plain predicted tok/s |",
                   "|---|---|---|---|---|"]
@@ -344,6 +344,26 @@ def save(report: dict, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- main
+def run_all(args: BenchSettings, model, tokenizer, questions, runners, counter) -> tuple[list, list, float]:
+    """A warm-up (excluded), then every question with every method: (rows, greedy mismatches, wall seconds)."""
+    greedy = args.temperature == 0
+    warm = chat_prompt(tokenizer, "Hello!").to(model.device)
+    for m in args.methods:
+        runners[m](warm)
+    rows, diffs = [], []
+    start = time.perf_counter()
+    bar = tqdm(questions, desc="spec-bench", unit="q")
+    for i, q in enumerate(bar):
+        ids = chat_prompt(tokenizer, q.prompt).to(model.device)
+        recs = run_question(runners, args.methods, model, counter, ids, seed=args.seed * 100_003 + q.question_id,
+                            order_shift=i)
+        rows.append({"question_id": q.question_id, "task": q.task, "prompt_tokens": ids.shape[1], "methods": recs})
+        if greedy:
+            diffs += mismatches(rows[-1], args.methods, model.base_model, ids)  # after timing: not in any wall time
+        bar.set_postfix({m: f"{recs[m]['tokens_per_second']:.1f}t/s" for m in args.methods})
+    return rows, diffs, time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> dict:
     # parse
     args = parse_args(argv)
@@ -371,21 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     counter = ForwardCounter(target)
 
     # run: warm-up (excluded), then every question with every method
-    warm = chat_prompt(tokenizer, "Hello!").to(model.device)
-    for m in args.methods:
-        runners[m](warm)
-    rows, diffs = [], []
-    start = time.perf_counter()
-    bar = tqdm(questions, desc="spec-bench", unit="q")
-    for i, q in enumerate(bar):
-        ids = chat_prompt(tokenizer, q.prompt).to(model.device)
-        recs = run_question(runners, args.methods, model, counter, ids, seed=args.seed * 100_003 + q.question_id,
-                            order_shift=i)
-        rows.append({"question_id": q.question_id, "task": q.task, "prompt_tokens": ids.shape[1], "methods": recs})
-        if greedy:
-            diffs += mismatches(rows[-1], args.methods, target, ids)  # after timing: not in any wall time
-        bar.set_postfix({m: f"{recs[m]['tokens_per_second']:.1f}t/s" for m in args.methods})
-    total = time.perf_counter() - start
+    rows, diffs, total = run_all(args, model, tokenizer, questions, runners, counter)
 
     # save
     summary = {t: summarize([r for r in rows if r["task"] == t], args.methods, greedy)

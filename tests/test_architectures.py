@@ -170,7 +170,7 @@ def test_trees_straddle_the_window(name, window):
     accepted nodes are not contiguous; sliding layers never hold more than window - 1 keys between steps."""
     from dataclasses import replace
 
-    import medusa_lite.generate as gen
+    import medusa_lite.decode.batch as gen
     from medusa_lite import MedusaConfig, MedusaModel
     from medusa_lite.config import DEFAULT_TREE
 

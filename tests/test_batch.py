@@ -8,10 +8,10 @@ from conftest import random_heads, tiny_model
 from test_sampling import (N_SAMPLES, NEW, PROMPT, TREE, VOCAB, _support, _wrong_walk, exact_distribution, make_model,
                            tv_bound, tv_distance)
 
-import medusa_lite.generate as gen_mod
+import medusa_lite.decode.sequence as gen_mod
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.fit import HardwareFit, Rung
-from medusa_lite.generate import SpeculativeBatch
+from medusa_lite.decode import SpeculativeBatch
 
 WIDE = [[0], [1], [2], [3], [0, 0], [1, 0], [0, 1], [2, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]
 DYNAMIC = {"dynamic": {"nodes": 12, "depth": 4, "topk": 3, "expand": 3}}

@@ -12,8 +12,8 @@ from conftest import random_heads
 from tiny_chat import save_tiny_target
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.calibration import (choose_tree, interpolate_latency, measure_forward_latency, monotone_latency,
-                                     score_trees, topk_hits)
+from medusa_lite.calibrate import choose_tree, measure_forward_latency, score_trees, topk_hits
+from medusa_lite.fit import interpolate_latency, monotone_latency
 from medusa_lite.targets import load_target
 from medusa_lite.tree import expected_length, grow_tree, load_tree, tree_json
 
@@ -143,7 +143,7 @@ def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
 
 
 def test_measure_head_accuracy_matches_batched_heads(tmp_path):
-    from medusa_lite.calibration import accuracies_from_counts, measure_head_accuracy
+    from medusa_lite.calibrate import accuracies_from_counts, measure_head_accuracy
 
     target, _ = load_target(save_tiny_target(tmp_path / "t"))
     model = MedusaModel(target, MedusaConfig(num_heads=3))

@@ -37,7 +37,7 @@ def test_default_model_greedy_equals_plain(default_model):
 
 @pytest.mark.slow
 def test_default_model_is_cached_and_fast_to_reload(default_model):
-    from medusa_lite.targets import cache_dir
+    from medusa_lite.paths import cache_dir
 
     assert (cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file()
     model, _ = default_model

@@ -11,7 +11,7 @@ import torch
 from conftest import random_heads, tiny_model
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite import probe as probe_mod
+from medusa_lite.fit import store as probe_mod
 from medusa_lite.fit import (PLAIN, AcceptanceTable, Candidate, CyclingGuard, HardwareFit, Rung, SpeedGuard,
                              bucket_of, fit_trees, latency_at)
 
@@ -204,7 +204,7 @@ def test_trees_the_heads_cannot_draft_are_left_out(tmp_path, monkeypatch, prompt
     assert {json.dumps(r.tree) for ladder in fit.ladders for r in ladder} <= {json.dumps(SMALL), "[]"}
     model.generate(prompt, max_new_tokens=6)
     model.acceptance = AcceptanceTable([0, 256, 1024], [Candidate(dynamic, [3.0] * 3, [5] * 3, [100] * 3)])
-    model._fits.clear()
+    model.fits.clear()
     with pytest.warns(UserWarning, match="no tree these heads can draft"):
         assert model.fit_hardware(progress=False) is None
     with pytest.warns(UserWarning, match="no tree these heads can draft"):

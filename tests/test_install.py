@@ -61,7 +61,7 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_installed_copy_is_imported_with_its_data(installed):
     bin_dir, work = installed
     code = ("import json, medusa_lite, medusa_lite.train.train as t, medusa_lite.serve.server as s;"
-            "from medusa_lite.specbench import DEFAULT_QUESTIONS; from medusa_lite.settings import CONFIGS_DIR;"
+            "from medusa_lite.specbench import DEFAULT_QUESTIONS; from medusa_lite.paths import CONFIGS_DIR;"
             "print(json.dumps([medusa_lite.__file__, t.__file__, s.__file__, str(DEFAULT_QUESTIONS),"
             " sorted(p.name for p in CONFIGS_DIR.rglob('*.*'))]))")
     files = json.loads(_run([bin_dir / "python", "-c", code], cwd=work))

@@ -16,7 +16,7 @@ import torch
 from conftest import random_heads, tiny_model
 from test_fit import restless_fit
 
-import medusa_lite.generate as gen_mod
+import medusa_lite.decode.sequence as gen_mod
 from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.fit import CyclingGuard
 from medusa_lite.sampling import build_warpers, target_probs

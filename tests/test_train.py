@@ -16,10 +16,14 @@ from safetensors.torch import load_file
 
 from train_helpers import role_tokenizer, write_chat_jsonl, write_config, write_target
 
-from medusa_lite.settings import CONFIGS_DIR, resolve_config
+from medusa_lite.paths import CONFIGS_DIR, resolve_config
 from medusa_lite.train import data as D
 from medusa_lite.drafters.heads import heads_loss
-from medusa_lite.train.train import Engine, TrainConfig, build_config, build_model, init_runtime, main, train_step
+from medusa_lite.train.config import TrainConfig
+from medusa_lite.train.engine import Engine
+from medusa_lite.train.loop import train_step
+from medusa_lite.train.runtime import init_runtime
+from medusa_lite.train.train import build_config, build_model, main
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -89,7 +93,8 @@ def test_config_precedence_and_errors(tmp_path):
 
 
 def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
-    from medusa_lite.train.train import Runtime, load_deepspeed_config
+    from medusa_lite.train.engine import load_deepspeed_config
+    from medusa_lite.train.runtime import Runtime
 
     cfg = TrainConfig(micro_batch_size=3, grad_accum=2, precision="bf16", deepspeed="zero3")
     ds = load_deepspeed_config(cfg, Runtime(0, 4, torch.device("cpu")))
@@ -101,10 +106,10 @@ def test_deepspeed_dict_gets_batch_and_precision_from_training_config():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_precision_auto_follows_the_hardware(native, monkeypatch):
-    import medusa_lite.probe as probe
-    from medusa_lite.train.train import resolve_precision
+    import medusa_lite.machine as machine
+    from medusa_lite.train.config import resolve_precision
 
-    monkeypatch.setattr(probe, "native_bf16", lambda device: (native, "made up"))
+    monkeypatch.setattr(machine, "native_bf16", lambda device: (native, "made up"))
     assert resolve_precision("auto", torch.device("cpu")) == ("bf16" if native else "fp32", "made up")
     assert resolve_precision("fp32", torch.device("cpu"))[0] == "fp32"  # an explicit choice is kept
     assert resolve_precision("bf16", torch.device("cpu"))[0] == "bf16"
@@ -112,13 +117,13 @@ def test_precision_auto_follows_the_hardware(native, monkeypatch):
 
 
 def test_native_bf16_respects_the_isa_limit():
-    import medusa_lite.probe as probe
+    import medusa_lite.machine as machine
 
-    code = "from medusa_lite.probe import native_bf16; print(native_bf16('cpu')[0])"
+    code = "from medusa_lite.machine import native_bf16; print(native_bf16('cpu')[0])"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     limited = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert limited.stdout.strip() == "False"  # AVX2 kernels: no bf16 matmul units, whatever the CPU has
-    assert isinstance(probe.native_bf16("cpu")[0], bool)
+    assert isinstance(machine.native_bf16("cpu")[0], bool)
 
 
 # ------------------------------------------------------------------------------------------- data

@@ -97,7 +97,7 @@ def test_grow_tree_is_greedy_by_path_probability():
 
 
 def test_shipped_trees_load():
-    from medusa_lite.settings import CONFIGS_DIR
+    from medusa_lite.paths import CONFIGS_DIR
 
     files = sorted((CONFIGS_DIR / "trees").glob("*.json"))
     assert len(files) >= 4

@@ -109,8 +109,8 @@ def next_chunk(ledger: dict, chunk: int) -> dict:
 # ---------------------------------------------------------------------------------------------- data
 def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: float, scratch: Path) -> None:
     """Answer (the rest of) ``entry``'s prompts for at most ``minutes``; the chunk file is rewritten compressed."""
+    from medusa_lite.machine import hardware_summary
     from medusa_lite.train import distill_data
-    from medusa_lite.train.train import hardware
 
     committed, work = root / entry["file"], scratch / Path(entry["file"]).name.removesuffix(".gz")
     work.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +132,7 @@ def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: floa
     entry["seconds"] += result["seconds"]
     entry["complete"] = result["complete"]
     entry["command"] = "medusa-lite distill-data " + " ".join(a for a in argv if not a.startswith("--time"))
-    entry["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware(),
+    entry["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
                           "answer_tokens": result["answer_tokens"], "seconds": result["seconds"],
                           "tokens_per_s": round(result["answer_tokens"] / max(result["seconds"], 1e-9), 1)})
 
@@ -200,6 +200,7 @@ def ship_drafter(heads_dir: Path, dest: Path) -> None:
 
 
 def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
+    from medusa_lite.machine import hardware_summary
     from medusa_lite.train import train as T
 
     base = T.build_config(args.train_config, list(args.extra))
@@ -217,7 +218,7 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     shutil.rmtree(Path(args.output_dir) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
     marker.unlink()
     stats, ev = result["stats"], result.get("eval", {})
-    ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": T.hardware(),
+    ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
                            "command": "medusa-lite train --config " + args.train_config + " " + " ".join(overrides),
                            "steps": stats["step"], "positions": stats["tokens"],
                            "positions_per_s": round(stats["this_run_steps"] * stats["positions_per_step"]

@@ -23,10 +23,12 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from medusa_lite.config import WEIGHTS_NAME, MedusaConfig
+from medusa_lite.config import WEIGHTS_NAME
+from medusa_lite.drafters import MedusaConfig
 from medusa_lite.drafters import drafter_class
 from medusa_lite.settings import SettingsParser, option
-from medusa_lite.targets import DEFAULT_TARGET, load_target, parse_dtype
+from medusa_lite._hf import parse_dtype
+from medusa_lite.targets import DEFAULT_TARGET, load_target
 
 def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: torch.Tensor | None = None,
                 dtype: str | torch.dtype = "bf16") -> Path:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         if target_path is None and config.base_model not in (None, DEFAULT_TARGET):
             target_path = config.base_model
         target, _ = load_target(target_path, dtype="fp32")
-        from medusa_lite.model import check_fingerprint
+        from medusa_lite.heads_io import check_fingerprint
 
         check_fingerprint(config.target_fingerprint, target, args.heads_dir)
         lm_head_weight = target.get_output_embeddings().weight

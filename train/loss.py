@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from medusa_lite.drafters.heads import num_positions
+from medusa_lite.drafters import num_positions
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """The drafter contract: everything that proposes a tree of tokens for the target to verify.
 
-A drafter is an ``nn.Module`` registered by name (:func:`medusa_lite.drafters.register_drafter`) with its
-config class. The speculative loop (:func:`medusa_lite.generate.speculative_generate`) knows only this:
+A drafter is an ``nn.Module`` registered by name (:func:`medusa_lite.drafters.registry.register_drafter`) with its
+config class. The speculative loop (:func:`medusa_lite.decode.speculative_generate`) knows only this:
 
 - ``hidden_layers``: which of the target's ``hidden_states`` it reads (-1: the final-norm states), concatenated
   on the last dimension: its features are [..., F] with F = len(hidden_layers) * H.
@@ -65,6 +65,18 @@ class DraftState:
 
 
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step
+
+
+def num_positions(seq_len: int, num_heads: int) -> int:
+    """Positions per training window that every head trains on (the window's last num_heads + 1 only teach)."""
+    return seq_len - num_heads - 1
+
+
+def drafter_features(hidden_states, layers: tuple[int, ...]) -> torch.Tensor:
+    """A target forward's ``hidden_states`` -> the features of ``layers`` concatenated on the last dimension."""
+    if len(layers) == 1:
+        return hidden_states[layers[0]]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
 
 class Drafter(nn.Module):

@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import DEFAULT_TREE, MedusaConfig, text_config
+from .._hf import text_config
+from ..config import DEFAULT_TREE
 from ..tree import truncate
-from . import register_drafter
 from .base import DraftState, PathDrafter
 from .heads import heads_loss
+from .registry import MedusaConfig, register_drafter
 
 
 @dataclass

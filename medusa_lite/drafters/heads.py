@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..tree import DynamicTree, TreeBuffers, tree_tokens
+from ..tree import DynamicTree, tree_tokens
 from ..verify import Proposals
-from . import register_drafter
-from .base import Draft, Drafter, PathDrafter
+from .base import Draft, Drafter, PathDrafter, num_positions
+from .registry import register_drafter
 
 
 class ResBlock(nn.Module):
@@ -32,11 +32,6 @@ class ResBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.act(self.linear(x))
-
-
-def num_positions(seq_len: int, num_heads: int) -> int:
-    """Positions per training window that every head trains on (the window's last num_heads + 1 only teach)."""
-    return seq_len - num_heads - 1
 
 
 def heads_loss(

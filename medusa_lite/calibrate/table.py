@@ -1,0 +1,70 @@
+"""The heads' acceptance table (``acceptance.json``, :class:`medusa_lite.fit.AcceptanceTable`): every candidate tree's
+tokens per step by context bucket, greedy replayed on the target's continuations and sampled run after the prompts.
+Hardware-independent; the library half of ``medusa-lite calibrate --acceptance``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from tqdm.auto import tqdm
+
+from ..fit import BUCKETS, AcceptanceTable, Candidate
+from ..tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json
+from .accuracy import drafter_inputs
+from .replay import measure_sampling, replay_acceptance
+
+ACCEPTANCE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+ACCEPTANCE_LOOKUP = (4, 8, 16)
+SAMPLE_SIZES = (1, 2, 4, 8)
+
+
+def acceptance_candidates(model, acc) -> tuple[list, list]:
+    """(greedy, sampling) candidate trees of an acceptance table: for greedy, the formula's best static tree
+    of every size, Hydra heads' dynamic trees, each also with prompt-lookup branches, and the lookup branch
+    alone; for sampling, smaller static trees with and without a short lookup branch. The root alone is
+    always a candidate (plain decoding) and needs no entry."""
+    statics = []
+    for size in ACCEPTANCE_SIZES:
+        tree = grow_tree(acc, size)
+        if tree not in statics:
+            statics.append(tree)
+    bases = list(statics)
+    if model.drafter.dynamic_trees:
+        bases += [DynamicTree(n, model.config.num_heads, topk=4, expand=4) for n in (4, 8, 16, 32)]
+    greedy = [tree_json(t) for t in bases]
+    greedy += [WithLookup(t, n).to_json() for t in bases for n in ACCEPTANCE_LOOKUP]
+    greedy += [WithLookup([], n).to_json() for n in ACCEPTANCE_LOOKUP]
+    sample = [grow_tree(acc, n) for n in SAMPLE_SIZES]
+    sample = sample + [WithLookup(t, 4).to_json() for t in sample] + [WithLookup([], 4).to_json()]
+    return greedy, sample
+
+
+def acceptance_table(model, sequences, acc, questions, args):
+    """Replay every greedy candidate on the continuations and run every sampling candidate after the prompts;
+    the tokens per step (and tree tokens) per context bucket form the heads' :class:`AcceptanceTable`."""
+    greedy, sample = acceptance_candidates(model, acc)
+    features = [drafter_inputs(model, ids) for ids, _ in sequences]
+    rows = []
+    for tree in tqdm(greedy, desc="replaying greedy candidates"):
+        r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), args.stride, features)
+        rows.append(Candidate(tree=tree, **r["by_bucket"]))
+    sampled, prompts = [], []
+    if args.sample_temperature > 0:
+        prompts = [ids[:start] for ids, start in sequences]
+        if args.sample_prompts:  # spread over the tasks
+            prompts = prompts[::max(1, len(prompts) // args.sample_prompts)][:args.sample_prompts]
+        trees = [parse_tree(t, model.config.num_heads) for t in sample]
+        measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed)
+        sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
+    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": args.target or "SmolLM2-135M-Instruct",
+            "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
+            "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+            "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
+            "sampled_prompts": len(prompts),
+            "command": "medusa-lite calibrate --acceptance " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+    for c in rows[:3] + sampled[:2]:
+        print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
+    return AcceptanceTable(buckets=list(BUCKETS), greedy=rows, sample=sampled,
+                           sample_temperature=args.sample_temperature or None, data=data)

@@ -1,0 +1,250 @@
+"""The speculative loop: draft a tree, verify it in one target forward, keep the accepted path.
+
+The engine sees token ids only. Per step: the root (the token already chosen, not yet in the cache)
+and the heads' proposals form a tree; one target forward scores every node; the target's choice at
+every node (argmax or one draw) decides the accepted path; the cache keeps that path; the bonus
+token (the choice at the last accepted node) becomes the next root. Many rows step together
+(:class:`SpeculativeBatch`); one ``generate`` is a batch of one (:func:`speculative_generate`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from .._hf import cache_kwarg, context_length
+from ..cache import check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, select_rows
+from ..drafters import Draft, Drafter, DraftState
+from .forward import prefill, read_features, verify_forward, verify_rows
+from .plans import BatchPlanner, Plan, first_nodes
+from .sequence import GenerationStats, Sequence, record_step
+
+
+COMPACT_SLACK = 32  # holes per row tolerated before the batch's cache is compacted (plus a quarter of its slots)
+
+
+class SpeculativeBatch:
+    """Speculative decoding of many sequences at once, rows joining and leaving between steps (continuous batching).
+
+    Each :meth:`step` drafts every row's tree (its own plan, its own depth cap) and verifies all of them in one
+    target forward of B x N tokens; acceptance, stopping, streaming and the cache commit are per row. Rows
+    advance by different amounts, so the shared cache has holes (see the batch functions of
+    :mod:`medusa_lite.cache`): each row has its own positions and attention mask, and the holes are closed
+    when they exceed a quarter of the slots (:func:`~medusa_lite.cache.compact_rows`). A row alone in the batch
+    with no holes takes exactly the batch-1 path (sliding-window layers, packed verify kernels).
+
+    Exact per row: a row's greedy output is its batch-1 output (up to floating-point ties between the batched
+    and the single-row matmuls), and its sampled output has the target's distribution: the tree of a row's step
+    is decided before the step drafts (by the batch size and finished steps), never by that step's draws.
+    """
+
+    def __init__(self, target, drafter: Drafter, kernels=None, max_step_tokens: int | None = None, guards: BatchPlanner | None = None):
+        self.target, self.drafter, self.kernels = target, drafter, kernels
+        self.guards = guards  # e.g. BatchGuards (medusa_lite.fit): the tree of steps with B > 1 rows (None: each row's own plan)
+        self.max_step_tokens = max_step_tokens  # tree tokens one verify forward may hold, all rows together
+        self.rows: list[Sequence] = []
+        self.cache = None
+        self.valid: torch.Tensor | None = None  # [B, S] bool: the cache slots each row attends to
+        self.state: DraftState | None = None
+        self.limit = context_length(target.config)
+        self.cache_key = cache_kwarg(target)
+        self.batchable = not any(new_cache(target).is_sliding)  # full-attention layers only: rows can share a step
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, seq: Sequence) -> bool:
+        """Prefill ``seq``'s prompt (a forward of its own) and let it join the batch for the next step. False when it
+        finished at its first token (or its streamer raised): it does not join, and is finished."""
+        return self.add_group([seq])[0]
+
+    @torch.no_grad()
+    def add_group(self, seqs: list[Sequence]) -> list[bool]:
+        """Sequences with one and the same prompt (e.g. ``num_return_sequences`` samples of it) share one prefill
+        forward: each chooses its first token from the prompt's logits (its own draw when sampling), and the
+        prompt's cache row is copied for each. Per sequence: whether it joined (False: finished already)."""
+        prompt = seqs[0].prompt
+        if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
+            raise ValueError("add_group: the sequences' prompts differ")
+        cache = new_cache(self.target)
+        if (self.rows or len(seqs) > 1) and not self.batchable:
+            check_batchable(cache)  # raises, naming why
+        out, seconds = prefill(self.target, prompt, {self.cache_key: cache})
+        staying = []
+        for seq in seqs:
+            seq.stats.prefill_time = seconds
+            seq.stats.target_time += seconds
+            seq.stats.target_forwards += 1
+            seq.cache_len = prompt.numel()
+            seq.extend([int(seq.choose(out.logits[0, -1:])[0])])
+            if seq.done:
+                seq.finish()
+            else:
+                staying.append(seq)
+        if not staying:
+            return [False] * len(seqs)
+        features = read_features(out, self.drafter)  # [1, L, F]
+        state = self.drafter.start([seq.ids() for seq in staying], features.expand(len(staying), -1, -1))
+        valid = torch.ones(1, prompt.numel(), dtype=torch.bool, device=prompt.device)
+        if len(staying) > 1:  # one copy of the prompt's cache row per sequence
+            valid = select_rows(cache, valid, torch.zeros(len(staying), dtype=torch.long, device=prompt.device))
+        if self.rows:
+            self.valid = join_rows(self.cache, self.valid, cache, valid)
+            self.state = self.state.join(state)
+        else:
+            self.cache, self.valid, self.state = cache, valid, state
+        self.rows.extend(staying)
+        return [not seq.done for seq in seqs]
+
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One step for every row: draft, one verify forward, accept, commit. Returns the rows that finished (their
+        stopping rules, or ``error`` set by their streamer); they have left the batch."""
+        start = time.perf_counter()
+        batch = len(self.rows)
+        tree = None  # decided by finished steps only, before any row drafts
+        if batch > 1 and self.guards is not None:
+            tree = self.guards.tree(batch, max(seq.cache_len for seq in self.rows))
+        drafts = [self._draft(b, seq, batch, tree) for b, seq in enumerate(self.rows)]
+        out, seconds = self._verify(drafts)
+        results = [seq.accept(draft, out.logits[b, :draft.tokens.numel()])
+                   for b, (seq, draft) in enumerate(zip(self.rows, drafts))]
+        self._keep([nodes for nodes, _ in results])
+        staying = []
+        for b, (seq, draft, (nodes, root)) in enumerate(zip(self.rows, drafts, results)):
+            seq.cache_len += nodes.numel()
+            seq.stats.target_time += seconds
+            seq.stats.target_forwards += 1
+            record_step(seq.stats, nodes.numel() - 1, draft.buffers)
+            seq.extend(draft.tokens[nodes[1:]].tolist() + [int(root)])
+            if not seq.done:
+                staying.append(b)
+        finished = [seq for seq in self.rows if seq.done]
+        solo = self.rows[0] if batch == 1 else None
+        if staying:
+            features = read_features(out, self.drafter)
+            index = torch.tensor(staying, device=features.device)
+            accepted = [results[b][0] for b in staying]
+            self._keep_rows(staying)
+            self.drafter.commit(self.state, accepted, features.index_select(0, index), [s.ids() for s in self.rows])
+            self._compact()
+        else:
+            self._keep_rows([])
+        if solo is not None and solo.on_step is not None:  # a fitted plan's guard learns from steps verified alone
+            solo.on_step(int(results[0][0].numel()), time.perf_counter() - start)
+        if tree is not None:
+            self.guards.record(batch, sum(int(nodes.numel()) for nodes, _ in results), time.perf_counter() - start)
+        for seq in finished:
+            seq.finish()
+        return finished
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        """Take ``seqs`` out of the batch now (e.g. cancelled requests); they are finished as they stand."""
+        gone = {id(seq) for seq in seqs}
+        leaving = [s for s in self.rows if id(s) in gone]
+        self._keep_rows([b for b, s in enumerate(self.rows) if id(s) not in gone])
+        self._compact()
+        for seq in leaving:
+            seq.finish()
+
+    # ------------------------------------------------------------------ the pieces of a step
+    def _draft(self, b: int, seq: Sequence, batch: int, tree) -> Draft:
+        max_depth = seq.stopper.remaining - 1
+        if self.limit is not None:
+            max_depth = min(max_depth, self.limit - seq.cache_len - 1)
+        plan = seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan
+        (draft,) = plan(self.state.rows([b]), max_depth)
+        if self.max_step_tokens is not None:
+            draft = first_nodes(draft, max(1, self.max_step_tokens // batch))
+        return draft
+
+    def _verify(self, drafts: list[Draft]):
+        """One target forward over every row's tree: (output, seconds)."""
+        cache_arg = {self.cache_key: self.cache}
+        if len(drafts) == 1 and bool(self.valid.all()):  # the batch-1 path (sliding windows, packed kernels)
+            (tokens, buffers, _), = drafts
+            return verify_forward(self.target, cache_arg, tokens, buffers, self.rows[0].cache_len, self.kernels)
+        return verify_rows(self.target, cache_arg, drafts, [seq.cache_len for seq in self.rows], self.valid, self.kernels)
+
+    def _keep(self, accepted: list[torch.Tensor]) -> None:
+        """Keep each row's accepted nodes in the cache; the step's other nodes are dropped or become holes."""
+        prefix = self.valid.shape[1]
+        if len(accepted) == 1:
+            keep_accepted(self.cache, prefix, accepted[0])
+            block = torch.ones(1, accepted[0].numel(), dtype=torch.bool, device=self.valid.device)
+        else:
+            block = keep_accepted_rows(self.cache, prefix, accepted)
+        self.valid = torch.cat([self.valid, block], dim=1)
+
+    def _keep_rows(self, rows: list[int]) -> None:
+        if len(rows) == len(self.rows):
+            return
+        if not rows:
+            self.rows, self.cache, self.valid, self.state = [], None, None, None
+            return
+        self.valid = select_rows(self.cache, self.valid, torch.tensor(rows, device=self.valid.device))
+        self.state = self.state.rows(rows)
+        self.rows = [self.rows[b] for b in rows]
+
+    def _compact(self) -> None:
+        if not self.rows:
+            return
+        held, slots = int(self.valid.sum()), self.valid.numel()
+        if held < slots and (len(self.rows) == 1 or slots > 1.25 * held + COMPACT_SLACK * len(self.rows)):
+            self.valid = compact_rows(self.cache, self.valid)
+
+
+def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
+    """Decode every sequence to its end: all in one batch (consecutive sequences with the same prompt share its
+    prefill), or one after another where the model cannot batch (sliding-window layers,
+    :func:`~medusa_lite.cache.check_batchable`)."""
+    if not batch.batchable:
+        for seq in seqs:
+            batch.add(seq)
+            while batch.rows:
+                batch.step()
+        return
+    group: list[Sequence] = []
+    for seq in seqs + [None]:
+        if group and (seq is None or not torch.equal(seq.prompt, group[0].prompt)):
+            batch.add_group(group)
+            group = []
+        if seq is not None:
+            group.append(seq)
+    while batch.rows:
+        batch.step()
+
+
+@torch.no_grad()
+def speculative_generate(
+    target,
+    drafter: Drafter,
+    plan: Plan,
+    prompt: torch.Tensor,
+    config: GenerationConfig,
+    *,
+    max_new_tokens: int,
+    streamer=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    generator: torch.Generator | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+    kernels=None,
+) -> tuple[torch.Tensor, GenerationStats]:
+    """Generate after ``prompt`` ([L] long, no padding) with ``drafter`` filling the tree ``plan`` picks each
+    step: a :class:`SpeculativeBatch` of one row. Returns (new tokens [n] long, stats).
+
+    ``on_step(tokens, seconds)``: after every verify step (see :class:`Sequence`).
+    ``kernels``: :class:`medusa_lite.kernels.VerifyKernels` for the verify forwards (None: the stock kernels).
+    """
+    seq = Sequence(prompt, config, plan, max_new_tokens, stopping_criteria, generator, streamer, on_step)
+    batch = SpeculativeBatch(target, drafter, kernels)
+    if batch.add(seq):
+        while batch.rows:
+            batch.step()
+    if seq.error is not None:
+        raise seq.error
+    return seq.new_tokens, seq.stats

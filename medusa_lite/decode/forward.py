@@ -1,0 +1,62 @@
+"""The target forwards of the loop, each returning its output and the seconds it took: the prompt's prefill and the
+verify forward over one row's tree or over every row's tree at once. The only place the loop calls the target."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .._hf import prefill_kwargs
+from ..cache import batch_attention_mask, tree_attention_mask
+from ..drafters import Draft, Drafter, drafter_features
+from ..tree import TreeBuffers
+
+
+def prefill(target, prompt: torch.Tensor, cache_arg: dict):
+    """The prompt's forward ([L] long) into the cache of ``cache_arg``: (output, seconds)."""
+    t0 = time.perf_counter()
+    out = target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
+                 **cache_arg, **prefill_kwargs(target))
+    return out, time.perf_counter() - t0
+
+
+def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers, cache_len: int, kernels=None):
+    """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``; (output, seconds).
+
+    tokens: [N] node tokens. The cache grows by N entries (compact it with ``cache.keep_accepted``). Sliding-window
+    layers get their own mask (``cache.tree_attention_mask``).
+    ``kernels``: a :class:`medusa_lite.kernels.VerifyKernels` (packed GEMM for the sizes where it is faster).
+    """
+    dtype = target.get_output_embeddings().weight.dtype
+    t0 = time.perf_counter()
+    with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+        out = target(input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
+                     attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype),
+                     use_cache=True, output_hidden_states=True, return_dict=True, **cache_arg)
+    return out, time.perf_counter() - t0
+
+
+def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[int], valid: torch.Tensor, kernels=None):
+    """One target forward over every row's tree (rows padded to the widest): (output, seconds).
+
+    valid: [B, S] the cache slots each row attends to; each row has its own positions ``cache_len + depth``.
+    """
+    dtype = target.get_output_embeddings().weight.dtype
+    t0 = time.perf_counter()
+    width = max(d.tokens.numel() for d in drafts)
+    pad = torch.nn.functional.pad
+    tokens = torch.stack([pad(d.tokens, (0, width - d.tokens.numel())) for d in drafts])  # [B, N]
+    positions = torch.stack([n + pad(d.buffers.depths, (0, width - d.tokens.numel()))
+                             for n, d in zip(cache_lens, drafts)])  # [B, N] each row's own positions
+    mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype)
+    with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+        out = target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
+                     output_hidden_states=True, return_dict=True, **cache_arg)
+    return out, time.perf_counter() - t0
+
+
+def read_features(out, drafter: Drafter) -> torch.Tensor:
+    """The target features the drafter reads: its ``hidden_layers`` concatenated, [B, T, F]."""
+    return drafter_features(out.hidden_states, drafter.hidden_layers)

@@ -1,0 +1,91 @@
+"""Plans: which tree the drafter fills at a step. A plan is called with the drafter's state and the deepest depth
+allowed and returns one :class:`~medusa_lite.drafters.Draft` per row.
+
+This is all the loop knows about choosing trees. A plan that learns from the steps it planned (the hardware fit's,
+:class:`medusa_lite.fit.FittedPlan`) also has ``record(tokens, seconds)``, which the loop calls after each step
+verified alone (the *step report*: tokens emitted, wall seconds), and ``report() -> dict``, which ends up in
+``GenerationStats.fitted``. Steps that verify several rows together take their tree from a
+:class:`BatchPlanner` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from ..drafters import Draft, Drafter, DraftState
+from ..tree import DynamicTree, TreeBuffers, buffers_from_parents, build_buffers, lookup_continuation, merge_chain, truncate
+
+# A step's plan: which tree the drafter fills this step. (drafter state, deepest allowed depth) -> one Draft per row
+Plan = Callable[[DraftState, int], list[Draft]]
+
+
+class BatchPlanner(Protocol):
+    """The tree of steps that verify B > 1 rows together (e.g. :class:`medusa_lite.fit.BatchGuards`), decided by
+    finished steps only: :meth:`tree` before any row drafts, :meth:`record` after the step."""
+
+    def tree(self, batch: int, context: int): ...
+
+    def record(self, batch: int, tokens: int, seconds: float) -> None: ...
+
+
+class StaticTree:
+    """A :data:`Plan` over one fixed tree; buffers per depth cap are built once (near ``max_new_tokens`` or
+    the context end, shallower trees). ``sampler``: the drafter draws the tokens instead of ranking them."""
+
+    def __init__(self, drafter: Drafter, choices: list[list[int]], device: torch.device, sampler=None):
+        self.drafter, self.choices, self.device, self.sampler = drafter, choices, device, sampler
+        self.full = build_buffers(choices, device)
+        self._by_depth: dict[int, TreeBuffers] = {self.full.depth: self.full}
+
+    def get(self, max_depth: int) -> TreeBuffers:
+        depth = max(0, min(max_depth, self.full.depth))
+        if depth not in self._by_depth:
+            self._by_depth[depth] = build_buffers(truncate(self.choices, depth), self.device)
+        return self._by_depth[depth]
+
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+        return self.drafter.propose(state, self.get(max_depth), max_depth, self.sampler)
+
+
+class GrownTree:
+    """A :data:`Plan` whose tree the drafter grows anew each step within the budget of a :class:`DynamicTree`."""
+
+    def __init__(self, drafter: Drafter, tree: DynamicTree):
+        drafter.require_dynamic_trees()
+        self.drafter, self.tree = drafter, tree
+
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+        return self.drafter.propose(state, self.tree, max_depth)
+
+
+class PromptLookup:
+    """A :data:`Plan` that adds a prompt-lookup branch (:func:`medusa_lite.tree.lookup_continuation`) to
+    another plan's tree, per row, merged so siblings stay distinct; the tree is then rebuilt for the step."""
+
+    def __init__(self, plan: Plan, tokens: int, ngram: int = 3):
+        self.plan, self.tokens, self.ngram = plan, tokens, ngram
+
+    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+        return [self._with_branch(draft, ids, max_depth) for draft, ids in zip(self.plan(state, max_depth), state.ids)]
+
+    def _with_branch(self, draft: Draft, ids: torch.Tensor, max_depth: int) -> Draft:
+        chain = lookup_continuation(ids, self.ngram, min(self.tokens, max_depth))
+        if chain.numel() == 0:
+            return draft
+        parents, merged = merge_chain(draft.buffers.parents, draft.tokens.tolist(), chain.tolist())
+        if len(parents) == len(draft.buffers.parents):  # the drafter had drafted the whole branch already
+            return draft
+        # the added nodes come last: their proposals are one-hot (Proposals.at)
+        return Draft(torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device),
+                     draft.proposals)
+
+
+def first_nodes(draft: Draft, n: int) -> Draft:
+    """The draft's tree cut to its first ``n`` nodes. Nodes come parents first and siblings in rank order, so the cut
+    is a tree and every kept sampled node keeps the siblings its proposal was drawn after: exact, and decided by
+    the budget alone, never by the drafted tokens."""
+    if draft.tokens.numel() <= n:
+        return draft
+    return Draft(draft.tokens[:n], buffers_from_parents(draft.buffers.parents[:n], draft.tokens.device), draft.proposals)

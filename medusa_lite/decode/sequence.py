@@ -1,0 +1,187 @@
+"""One decoding row: its statistics, where it stops, how it chooses and accepts tokens, and its stream."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from ..drafters import Draft
+from ..sampling import build_warpers, target_probs
+from ..tree import TreeBuffers
+from ..verify import accept, greedy_choice, sample_choice, sample_walk
+from .plans import Plan
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call did. ``accepted_per_depth[d]``: verify steps that accepted depth > d."""
+
+    new_tokens: int = 0
+    target_forwards: int = 0
+    verify_steps: int = 0
+    step_depths: list[int] = field(default_factory=list)  # depth of the tree verified at each step
+    tokens_per_step: list[int] = field(default_factory=list)
+    nodes_per_step: list[int] = field(default_factory=list)  # tree tokens verified at each step, root included
+    accepted_per_depth: list[int] = field(default_factory=list)
+    wall_time: float = 0.0
+    target_time: float = 0.0  # seconds inside target forwards (prefill + verify)
+    prefill_time: float = 0.0  # seconds of the prompt's forward
+    tree_nodes: int = 0
+    fitted: dict | None = None  # with a tree fitted to the machine: steps per tree, realized speed per bucket
+
+    @property
+    def drafted_nodes(self) -> int:
+        """Drafted tree nodes verified, summed over steps (roots excluded). Not the server's
+        ``spec_decode_num_draft_tokens``, which counts positions drafted ahead (each step's tree depth)."""
+        return sum(self.nodes_per_step) - self.verify_steps
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """New tokens per target forward, bonus included (Spec-Bench's "mean accepted tokens")."""
+        return self.new_tokens / max(self.target_forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of the wall time spent outside target forwards (drafting, verification, bookkeeping)."""
+        return 1.0 - self.target_time / self.wall_time if self.wall_time > 0 else 0.0
+
+    def acceptance_rate_per_depth(self) -> list[float]:
+        return [n / max(self.verify_steps, 1) for n in self.accepted_per_depth]
+
+    def to_dict(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
+            "verify_steps": self.verify_steps, "drafted_nodes": self.drafted_nodes, "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
+            "target_time": self.target_time, "prefill_time": self.prefill_time, "overhead_share": self.overhead_share,
+            "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes, "fitted": self.fitted,
+        }
+
+
+class Stopper:
+    """Decides, token by token, where plain decoding would have stopped."""
+
+    def __init__(self, prompt: torch.Tensor, config: GenerationConfig, max_new: int,
+                 criteria: StoppingCriteriaList | None):
+        eos = config.eos_token_id
+        self.eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.max_new = max_new
+        self.criteria = criteria if criteria else None
+        self.ids = prompt.tolist()
+        self.prompt_len = len(self.ids)
+        self.device = prompt.device
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new - (len(self.ids) - self.prompt_len)
+
+    def extend(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append ``tokens`` one by one; return (the tokens kept, whether generation is finished)."""
+        kept = []
+        for tok in tokens:
+            self.ids.append(tok)
+            kept.append(tok)
+            if tok in self.eos or self.remaining <= 0:
+                return kept, True
+            if self.criteria is not None:
+                ids = torch.tensor([self.ids], device=self.device)
+                if bool(self.criteria(ids, None).any()):
+                    return kept, True
+        return kept, False
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One row of a :class:`SpeculativeBatch`: a prompt's continuation and how it chooses, stops and streams.
+
+    ``on_step(tokens, seconds)``: called after every step this row was verified alone, with the tokens the step
+    emitted (accepted + bonus) and its wall time (drafting, verification, commit): how a fitted plan's guard learns.
+    ``plan_for(tree)``: this row's plan of ``tree`` (JSON form), for steps verified together with other rows, whose
+    tree the batch's guards choose (:class:`~medusa_lite.fit.BatchGuards`); None: ``plan`` at every step.
+    """
+
+    prompt: torch.Tensor                                     # [L] long, no padding
+    config: GenerationConfig
+    plan: Plan
+    max_new_tokens: int
+    stopping_criteria: StoppingCriteriaList | None = None
+    generator: torch.Generator | None = None
+    streamer: object = None
+    on_step: Callable[[int, float], None] | None = None
+    plan_for: Callable[[object], Plan] | None = None
+    tag: object = None                                       # the caller's handle (e.g. the server's request)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    error: BaseException | None = None                       # set when its streamer raised (e.g. a cancelled request)
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.started = time.perf_counter()
+        self.warpers = build_warpers(self.config)
+        self.stopper = Stopper(self.prompt, self.config, self.max_new_tokens, self.stopping_criteria)
+        self.cache_len = 0  # this row's tokens in the target's cache (its next position)
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        return torch.tensor(self.stopper.generated, dtype=torch.long, device=self.prompt.device)
+
+    def ids(self) -> torch.Tensor:
+        """Every token so far, ending in the root: [L + generated]."""
+        return torch.tensor(self.stopper.ids, dtype=torch.long, device=self.prompt.device)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's token at every row of logits [N, V]: argmax, or one draw from the processed distribution."""
+        if not self.config.do_sample:
+            return greedy_choice(logits)
+        return sample_choice(target_probs(logits, self.warpers), self.generator)
+
+    def accept(self, draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [N, V] at the draft's nodes -> (accepted nodes [a+1] long, root first; bonus token [] long)."""
+        tokens, buffers, proposals = draft
+        if not self.config.do_sample:
+            return accept(tokens, greedy_choice(logits), buffers.paths)
+
+        def target_at(node: int) -> torch.Tensor:  # only the walked nodes' rows are processed
+            return target_probs(logits[node: node + 1], self.warpers)[0].double()
+
+        return sample_walk(tokens, buffers.parents, target_at, proposals, self.generator)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only."""
+        kept, self.done = self.stopper.extend(tokens)
+        if self.streamer is not None and kept:
+            try:
+                self.streamer.put(torch.tensor([kept]))
+            except Exception as e:  # noqa: BLE001 - the row's owner decides (speculative_generate re-raises)
+                self.error, self.done = e, True
+
+    def finish(self) -> None:
+        self.done = True
+        self.stats.new_tokens = len(self.stopper.generated)
+        self.stats.wall_time = time.perf_counter() - self.started
+        report = getattr(self.plan, "report", None)  # a plan that learns from its steps (the step-report protocol)
+        if report is not None:
+            self.stats.fitted = report()
+
+
+def record_step(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:
+    stats.verify_steps += 1
+    stats.step_depths.append(buffers.depth)
+    stats.tokens_per_step.append(accepted + 1)
+    stats.nodes_per_step.append(buffers.num_nodes)
+    stats.tree_nodes = max(stats.tree_nodes, buffers.num_nodes)
+    while len(stats.accepted_per_depth) < buffers.depth:
+        stats.accepted_per_depth.append(0)
+    for d in range(accepted):
+        stats.accepted_per_depth[d] += 1

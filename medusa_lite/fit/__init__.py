@@ -1,0 +1,34 @@
+"""Fit speculation to the machine it runs on: the choice of tree, as pure functions (DESIGN 3.2).
+
+Calibration has two halves:
+
+* **hardware-independent, shipped with the heads** (``acceptance.json``, :class:`AcceptanceTable`): for
+  every candidate tree, the tokens per step it yields (accepted + bonus) and the tree tokens it verifies
+  per step, in each context-length bucket. Measured once, offline, by ``medusa-lite calibrate`` on the
+  target's own continuations (greedy: replayed; sampling: run);
+* **hardware-dependent, measured where the model runs** (:mod:`.probe`, kept by :mod:`.store`): the target's
+  verify-forward latency against tree tokens and cache length, each candidate's drafting time, and the
+  loop's per-step bookkeeping.
+
+:func:`fit_trees` combines them. Per bucket, a candidate's predicted speed is
+``tokens_per_step / (latency(nodes, context) + drafting + bookkeeping)``; the root alone (plain decoding
+in the loop) is always a candidate, so the fitted tree is never predicted slower than no speculation.
+The result per bucket is a *ladder*: the candidates predicted faster than plain decoding, fastest
+first, ending with the root alone. :class:`SpeedGuard` walks that ladder while decoding when the
+realized speed disagrees with the prediction.
+
+Modules, each using only those before it: :mod:`.latency` (buckets, the latency model), :mod:`.table` (the shipped
+acceptance table), :mod:`.pricing` (ladders, :class:`HardwareFit`), :mod:`.guard` (the online guards and
+:class:`FittedPlan`), :mod:`.probe` (the measurements), :mod:`.store` (their cache), :mod:`.session` (one model's
+fits per decoding mode, dtype and device).
+"""
+
+from .guard import BatchGuards, CyclingGuard, FittedPlan, SpeedGuard
+from .latency import BUCKETS, bucket_contexts, bucket_of, interpolate_latency, latency_at, max_tokens, monotone_latency
+from .pricing import MAX_RUNGS, PLAIN, HardwareFit, Rung, fit_trees
+from .session import FitSession, FitState
+from .table import ACCEPTANCE_NAME, AcceptanceTable, Candidate
+
+__all__ = ["ACCEPTANCE_NAME", "AcceptanceTable", "BUCKETS", "BatchGuards", "Candidate", "CyclingGuard", "FitSession",
+           "FitState", "FittedPlan", "HardwareFit", "MAX_RUNGS", "PLAIN", "Rung", "SpeedGuard", "bucket_contexts",
+           "bucket_of", "fit_trees", "interpolate_latency", "latency_at", "max_tokens", "monotone_latency"]

@@ -1,0 +1,124 @@
+"""Pricing the candidates on this machine: per context bucket a *ladder* of trees predicted faster than plain
+decoding (:func:`fit_trees`, pure), and the fit that holds them (:class:`HardwareFit`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..machine import describe
+from ..tree import parse_tree, tree_key, tree_nodes
+from .latency import BUCKETS, bucket_contexts, latency_at, max_tokens
+from .table import Candidate
+
+PLAIN = []                          # the root alone: plain decoding inside the speculative loop
+MAX_RUNGS = 4                       # candidate trees kept per ladder (plus the root alone)
+
+
+@dataclass
+class Rung:
+    """One tree of a bucket's ladder and its prediction on this machine."""
+
+    tree: list | dict
+    tokens_per_step: float
+    step_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+
+def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]], draft_seconds: dict[str, float],
+              overhead: float, buckets=BUCKETS, max_rungs: int = MAX_RUNGS, batch: int = 1) -> list[list[Rung]]:
+    """Per bucket, the ladder of trees for this machine: the (up to ``max_rungs``) candidates predicted faster
+    than plain decoding, fastest first, then the root alone, which is always last.
+
+    ``latency``: measured verify latency (:func:`latency_at`); ``draft_seconds``: drafting time per step by
+    :func:`tree_key`; ``overhead``: the loop's per-step bookkeeping (the same for every tree). Candidates
+    with more tree tokens than were measured are left out (the probe stops measuring where no candidate
+    could pay). Ties go to the smaller tree. Pure: numbers in, ladders out.
+
+    ``batch``: the rungs of ``batch`` rows verified together: B trees of N nodes are one forward of B x N
+    tokens (N: the widest tree, every row padded to it), drafting and bookkeeping are paid per row. A rung is
+    stated per row (tokens per row and step, step seconds / B), so its tokens/s is the batch's total. As the batch grows
+    the spare compute a tree spends is used by the other rows, so the ladders shrink toward the root alone.
+    """
+    limit = max_tokens(latency)
+    ladders = []
+    for bucket, context in enumerate(bucket_contexts(buckets)):
+        plain = Rung(PLAIN, 1.0, latency_at(latency, batch, context) / batch + overhead)
+        rungs = []
+        for c in candidates:
+            if c.tree == PLAIN:
+                continue
+            tokens, nodes = c.in_bucket(bucket)
+            if batch > 1:  # rows are padded to the widest tree of the step: a lookup branch some row fills is paid by all
+                nodes = max(nodes, _widest(c.tree))
+            if batch * nodes > limit:
+                continue
+            step = latency_at(latency, batch * nodes, context) / batch + draft_seconds.get(tree_key(c.tree), 0.0) + overhead
+            rung = Rung(c.tree, tokens, step)
+            if rung.tokens_per_second > plain.tokens_per_second:
+                rungs.append((rung, nodes))
+        rungs.sort(key=lambda rn: (-round(rn[0].tokens_per_second, 9), rn[1]))
+        ladders.append([r for r, _ in rungs[:max_rungs]] + [plain])
+    return ladders
+
+
+def _widest(tree) -> int:
+    """Tree tokens (root included) of ``tree`` (JSON form) when every branch is filled (a lookup branch included)."""
+    return tree_nodes(parse_tree(tree)) + 1
+
+
+@dataclass
+class HardwareFit:
+    """The trees fitted to this machine: a ladder per context bucket, and where the figures came from."""
+
+    fingerprint: dict
+    ladders: list[list[Rung]]
+    buckets: tuple[int, ...] = BUCKETS
+    cache_hit: bool = False
+    probe_seconds: float = 0.0
+    packed_from: int = 0     # verify forwards of this many tree tokens and more (up to the packed rows) use
+                             # prepacked GEMM (medusa_lite.kernels); 0: the stock kernels throughout
+    measured: dict = field(default_factory=dict)  # the probe's latency, draft and overhead (to price batches)
+    candidates: list = field(default_factory=list)  # the candidates the ladders were fitted from
+    _batch_ladders: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def batch_ladders(self, batch: int) -> list[list[Rung]]:
+        """Per context bucket, the ladder for ``batch`` rows verified together, priced by the same latency model
+        (:func:`fit_trees` with ``batch``); the fit's own ladders for one row (or a fit without the probe's figures)."""
+        if batch == 1 or not self.measured or not self.candidates:
+            return self.ladders
+        if batch not in self._batch_ladders:
+            self._batch_ladders[batch] = fit_trees(self.candidates, self.measured["latency"], self.measured["draft"],
+                                                   self.measured["overhead"], self.buckets, batch=batch)
+        return self._batch_ladders[batch]
+
+    def batch_trees(self, batch: int) -> list:
+        """Per context bucket, the tree predicted fastest for ``batch`` rows (JSON form; ``[]``: no speculation)."""
+        return [ladder[0].tree for ladder in self.batch_ladders(batch)]
+
+    def summary(self) -> dict:
+        """JSON-able: machine, and per bucket the fitted tree with its predicted tokens/s and plain decoding's."""
+        rows = []
+        for lo, hi, ladder in zip(self.buckets, list(self.buckets[1:]) + [None], self.ladders):
+            best, plain = ladder[0], ladder[-1]
+            rows.append({"context": f"{lo}-{hi - 1}" if hi else f"{lo}+", "tree": best.tree,
+                         "predicted_tokens_per_step": best.tokens_per_step,
+                         "predicted_tokens_per_second": best.tokens_per_second,
+                         "predicted_plain_tokens_per_second": plain.tokens_per_second,
+                         "ladder": [r.tree for r in ladder]})
+        return {"fingerprint": self.fingerprint, "cache_hit": self.cache_hit, "probe_seconds": self.probe_seconds,
+                "packed_verify_from_tokens": self.packed_from, "buckets": rows}
+
+    def report(self) -> str:
+        """The machine and, per context bucket, the fitted tree and its predicted speed (for logs)."""
+        lines = [f"machine: {describe(self.fingerprint)}; "
+                 + ("fit read from the cache" if self.cache_hit else f"probed in {self.probe_seconds:.1f} s")
+                 + (f"; packed GEMM for verify forwards of {self.packed_from}+ tokens" if self.packed_from else "")]
+        for row in self.summary()["buckets"]:
+            lines.append(f"  context {row['context']:>9s}: tree {json.dumps(row['tree'])} -> predicted "
+                         f"{row['predicted_tokens_per_second']:.1f} tok/s (plain decoding "
+                         f"{row['predicted_plain_tokens_per_second']:.1f})")
+        return "\n".join(lines)

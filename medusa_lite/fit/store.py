@@ -1,0 +1,131 @@
+"""The hardware fit's cache: a probe's result kept under ``<cache dir>/fit/`` per machine, target, heads and
+candidates, so a later process on the same machine reads it back in milliseconds. A cache file that is corrupt,
+was written for another machine, target, heads or library version, or holds impossible numbers is measured again,
+never trusted; it is written atomically, so an interrupted probe leaves nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from .._version import __version__
+from ..kernels import PackedLinears, VerifyKernels, packing_available
+from ..machine import machine_fingerprint
+from ..paths import cache_dir
+from ..tree import tree_key
+from .probe import DEFAULT_BUDGET_S, probe
+
+FIT_FORMAT = "medusa_lite.fit/2"
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / "fit" / f"{key[:40]}.json"
+
+
+def fit_key(fingerprint: dict, target_id: str, heads_id: str, candidates: list, sample: bool) -> str:
+    """The cache key: machine, target, heads (their drafting is timed), the candidate trees, greedy or sampled
+    drafting, the format and the library version."""
+    blob = json.dumps({"format": FIT_FORMAT, "version": __version__, "machine": fingerprint, "target": target_id,
+                       "heads": heads_id, "candidates": sorted(tree_key(t) for t in candidates), "sample": sample},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _digest(measured: dict) -> str:
+    return hashlib.sha256(json.dumps(measured, sort_keys=True).encode()).hexdigest()
+
+
+def check_measured(measured: dict) -> dict:
+    """Validate a probe result read back from JSON (string keys) and return it with int keys; ValueError if
+    anything is missing or impossible (non-finite or non-positive times)."""
+    def seconds(x) -> float:
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"impossible time {x!r}")
+        return float(x)
+
+    latency = {int(c): {int(n): seconds(s) for n, s in t.items()} for c, t in measured["latency"].items()}
+    if not latency or any(not t or 1 not in t for t in latency.values()):
+        raise ValueError("latency table without a single-token forward")
+    if any(s <= 0 for t in latency.values() for s in t.values()):
+        raise ValueError("a forward cannot take no time")
+    packed_from = measured.get("packed_from", 0)
+    if not isinstance(packed_from, int) or packed_from < 0:
+        raise ValueError(f"impossible packed_from {packed_from!r}")
+    return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
+            "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0)),
+            "packed_from": packed_from,
+            "phases": {str(k): seconds(v) for k, v in measured.get("phases", {}).items()}}
+
+
+def read_cached(key: str) -> dict | None:
+    """The cached probe for ``key``, or None when absent, corrupt, foreign or impossible."""
+    path = cache_path(key)
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("format") != FIT_FORMAT or saved.get("key") != key or saved.get("sha256") != _digest(saved["measured"]):
+            return None
+        return check_measured(saved["measured"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def write_cached(key: str, fingerprint: dict, measured: dict) -> Path | None:
+    """Write atomically (a temporary file renamed into place): readers see the old file or the whole new one.
+    Best effort: a cache directory that cannot be written costs a probe per process, not the decoding (None)."""
+    path = cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warnings.warn(f"medusa_lite: cannot keep the hardware fit in {path.parent} ({e}); it is measured again "
+                      "in every process", stacklevel=2)
+        return None
+    measured = json.loads(json.dumps(measured))  # the JSON form (string keys) is what the digest covers
+    blob = {"format": FIT_FORMAT, "key": key, "fingerprint": fingerprint, "measured": measured,
+            "sha256": _digest(measured), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".tmp")
+    except OSError as e:
+        warnings.warn(f"medusa_lite: cannot write the hardware fit to {path.parent} ({e})", stacklevel=2)
+        return None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(blob, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        warnings.warn(f"medusa_lite: cannot write the hardware fit to {path} ({e})", stacklevel=2)
+        return None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
+                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None):
+    """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
+    candidates, else a fresh probe (written to the cache). The kernels are the packed linears
+    (:mod:`medusa_lite.kernels`) where they were measured faster, packed once per process."""
+    fingerprint = machine_fingerprint(model.device, model.dtype)
+    heads = {k: v for k, v in model.config.to_dict().items() if k not in ("tree", "dtype_trees")}
+    key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
+                  json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None)
+    measured, hit, packed = None, False, None
+    if not force:
+        measured = read_cached(key)
+        hit = measured is not None
+    if measured is None:
+        packed = PackedLinears(model.base_model) if packing_available(model.base_model) else None
+        measured = probe(model, candidates, budget_s=budget_s, progress=progress,
+                         max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler)
+        write_cached(key, fingerprint, measured)
+        measured = check_measured(json.loads(json.dumps(measured)))
+    if not measured["packed_from"]:
+        return fingerprint, measured, hit, None
+    return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], packed=packed)

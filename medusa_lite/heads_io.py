@@ -1,0 +1,89 @@
+"""The heads directory, written and read by this module only: ``medusa_config.json``, ``heads.safetensors``,
+``tree.json`` and ``acceptance.json`` (never the target, never pickle), and the target fingerprint that keeps heads
+from being loaded onto a target they were not trained for."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ._hf import text_config
+from .config import TREE_NAME, WEIGHTS_NAME
+from .drafters import MedusaConfig
+from .tree import load_tree, parse_tree, tree_json
+
+_PROBE_ROWS = 8
+_PROBE_COLS = 8
+
+
+class HeadsMismatchError(ValueError):
+    """Heads were trained for a different target."""
+
+
+def target_fingerprint(target) -> dict[str, Any]:
+    """Identity of a target that survives dtype changes: config shape hash + a probe of its ``lm_head``.
+
+    The probe is a few ``lm_head`` entries, compared with a tolerance at load time (bf16 / GGUF
+    de-quantisation keep them within a few percent; another model does not).
+    """
+    cfg = text_config(target.config)
+    shape = {k: getattr(cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                                                 "num_attention_heads", "intermediate_size")}
+    weight = target.get_output_embeddings().weight
+    rows = torch.linspace(0, weight.shape[0] - 1, _PROBE_ROWS).long()
+    probe = weight.detach()[rows, :_PROBE_COLS].float().cpu().flatten().tolist()
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
+    return {"config_sha256": digest, "shape": shape, "lm_head_probe": [round(x, 5) for x in probe]}
+
+
+def check_fingerprint(saved: dict[str, Any] | None, target, source: str) -> None:
+    """Raise :class:`HeadsMismatchError` when ``saved`` does not describe ``target``."""
+    if not saved:
+        return
+    current = target_fingerprint(target)
+    if saved.get("config_sha256") != current["config_sha256"]:
+        raise HeadsMismatchError(
+            f"heads in {source} were trained for a target with {saved.get('shape')}, "
+            f"but the given target has {current['shape']}")
+    a = torch.tensor(saved.get("lm_head_probe", []))
+    b = torch.tensor(current["lm_head_probe"])
+    if a.shape != b.shape or not torch.allclose(a, b, rtol=0.05, atol=0.02 * float(b.abs().max()) + 1e-6):
+        raise HeadsMismatchError(
+            f"heads in {source} were trained for a different target (its lm_head weights differ): "
+            "same architecture, other weights. Load them onto the target they were trained for.")
+
+
+def save_heads(directory: str | Path, config: MedusaConfig, drafter: torch.nn.Module, acceptance=None) -> None:
+    """Write ``medusa_config.json``, ``heads.safetensors``, ``tree.json`` and the acceptance table if there is one."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save(directory)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
+    (directory / TREE_NAME).write_text(json.dumps({"choices": config.choices, "by_dtype": config.dtype_trees}) + "\n")
+    if acceptance is not None:
+        acceptance.save(directory)
+
+
+def load_config(heads_dir: Path) -> MedusaConfig:
+    """The directory's config (its drafter's config class), with ``tree.json``'s tree where the config has none."""
+    config = MedusaConfig.load(heads_dir)
+    if (heads_dir / TREE_NAME).is_file() and config.tree is None:
+        config.tree = tree_json(parse_tree(load_tree(heads_dir / TREE_NAME), config.num_heads))
+    return config
+
+
+def load_weights(drafter: torch.nn.Module, heads_dir: Path, device: torch.device) -> None:
+    """Load ``heads.safetensors`` into ``drafter``; a file that does not match its config is an error."""
+    weights = heads_dir / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
+    state = load_file(str(weights), device=str(device))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")

@@ -1,0 +1,36 @@
+"""Where things are: the user's cache folder and the files shipped with the package (a leaf: no project import)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+_PACKAGE = Path(__file__).parent
+# the shipped configs: the checkout's top-level configs/, installed as the package medusa_lite.configs
+CONFIGS_DIR = Path(list(importlib.util.find_spec("medusa_lite.configs").submodule_search_locations)[0])
+PRETRAINED_DIR = _PACKAGE / "pretrained" / "smollm2-135m-instruct"
+_SUFFIXES = {"train": ".yaml", "serve": ".yaml", "deepspeed": ".json", "trees": ".json"}
+
+
+def cache_dir() -> Path:
+    """``$MEDUSA_LITE_CACHE``, default ``~/.cache/medusa_lite``: converted targets and hardware fits."""
+    return Path(os.environ.get("MEDUSA_LITE_CACHE", Path.home() / ".cache" / "medusa_lite"))
+
+
+def shipped_configs(kind: str) -> list[str]:
+    """Names of the files shipped under ``configs/<kind>/``."""
+    return sorted(p.stem for p in (CONFIGS_DIR / kind).glob(f"*{_SUFFIXES.get(kind, '')}"))
+
+
+def resolve_config(kind: str, name_or_path: str | Path) -> Path:
+    """An existing path as given, else the shipped ``configs/<kind>/<name>``: ``'zero2'``, ``'zero2.json'`` and
+    ``'configs/deepspeed/zero2.json'`` (a checkout-relative path of earlier versions) all name the same file."""
+    path = Path(name_or_path).expanduser()
+    shipped = CONFIGS_DIR / kind / (path.stem + _SUFFIXES.get(kind, path.suffix))
+    if path.is_file():  # a shipped file given by a path (e.g. relative to the checkout) is named as shipped
+        return shipped if shipped.is_file() and path.resolve() == shipped.resolve() else path
+    if shipped.is_file() and (path.parent == Path(".") or path.parent.as_posix().endswith(f"configs/{kind}")):
+        return shipped
+    raise FileNotFoundError(f"{kind} config {str(name_or_path)!r}: no such file, and not one of the shipped "
+                            f"{kind} configs {shipped_configs(kind)}")

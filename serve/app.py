@@ -1,0 +1,271 @@
+"""The FastAPI app: routes, server-sent events, error handlers and the status-counting middleware around an
+:class:`~medusa_lite.serve.engine.Engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine import Engine, Job
+from .metrics import Metrics
+from .schemas import APIError, ChatRequest, Common, CompletionRequest, parse_request, read_json, sampling_kwargs
+
+log = logging.getLogger("medusa_lite.serve")
+
+
+
+
+def _budget(engine: Engine, prompt_len: int, requested: int | None, default: int, param: str) -> int:
+    """max_tokens after the context-window check (400 when prompt + max_tokens does not fit)."""
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", param=param)
+    limit = engine.limit
+    if requested is None:
+        requested = default if limit is None else min(default, limit - prompt_len)
+        if requested < 1:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) fills this model's context length ({limit})",
+                           param=param, code="context_length_exceeded")
+    elif limit is not None and prompt_len + requested > limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but {prompt_len + requested} "
+                            f"were requested ({prompt_len} in the prompt, {requested} for the completion); "
+                            "reduce the prompt or max_tokens", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+async def _events(job: Job, engine: Engine, request: Request) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; cancels the job when the client goes away (checked every 0.25 s)."""
+    finished = False
+    checked = time.monotonic()
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                kind = None
+            if time.monotonic() - checked >= 0.25:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return
+            if kind is None:
+                continue
+            if kind != "delta":
+                finished = True
+            yield kind, payload
+            if finished:
+                return
+    finally:
+        if not finished:
+            engine.cancel(job)
+
+
+class _CountStatus:
+    """ASGI middleware: count /v1/ responses by HTTP status (pure ASGI, so streams pass through untouched)."""
+
+    def __init__(self, app, counter: Counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.counter.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+class _JobStream(StreamingResponse):
+    """An SSE response that cancels its job however the response ends (a no-op for a finished job)."""
+
+    def __init__(self, content, job: Job, engine: Engine):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job, self.engine = job, engine
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine.cancel(self.job)
+
+
+def create_app(engine: Engine, metrics: Metrics, settings, model_name: str) -> FastAPI:
+    """The FastAPI app around a started-or-not engine (started in the lifespan). ``settings``: the server's
+    (:class:`medusa_lite.serve.server.Settings`)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.close(timeout=settings.shutdown_timeout)
+
+    app = FastAPI(title="medusa_lite", lifespan=lifespan)
+    app.add_middleware(_CountStatus, counter=metrics.requests)
+    _add_error_handlers(app)
+    api = Api(engine, settings, model_name)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [api.card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        api.check_model(name)
+        return api.card
+
+    app.post("/v1/completions")(api.completions)
+    app.post("/v1/chat/completions")(api.chat_completions)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error JSON: ours, Starlette's (404, 405, ...) and unhandled ones (500)."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Api:
+    """The completion endpoints: admit a request as a job of the engine, then answer with its result or stream it."""
+
+    def __init__(self, engine: Engine, settings, model_name: str):
+        self.engine, self.settings, self.model_name = engine, settings, model_name
+        self.card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "medusa_lite",
+                     "max_model_len": engine.limit}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def admit(self, req: Common, prompt_ids: list[int], requested: int | None, param: str) -> Job:
+        max_tokens = _budget(self.engine, len(prompt_ids), requested, self.settings.default_max_tokens, param)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        job = Job(prompt_ids, max_tokens, sampling_kwargs(req, self.engine.model.device), stop,
+                  asyncio.get_running_loop())
+        self.engine.submit(job)
+        return job
+
+    async def collect(self, job: Job, request: Request) -> dict:
+        async for kind, payload in _events(job, self.engine, request):
+            if kind == "error":
+                raise payload
+            if kind == "done":
+                return payload
+        raise APIError(499, "client disconnected", code="cancelled")
+
+    async def stream(self, job: Job, request: Request, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        rid = ("chatcmpl-" if chat else "cmpl-") + job.id
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(text: str | None, finish: str | None, role: bool = False, **fields) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return sse({**base, "choices": [choice], **extra, **fields})
+
+        if chat:
+            yield chunk(None, None, role=True)
+        async for kind, payload in _events(job, self.engine, request):
+            if kind == "delta":
+                if payload[0]:
+                    yield chunk(payload[0], None)
+            elif kind == "error":
+                yield sse(payload.body())
+                break
+            else:
+                if payload["delta"]:
+                    yield chunk(payload["delta"], None)
+                yield chunk(None if chat else "", payload["finish_reason"], medusa_lite=payload["medusa_lite"])
+                if include_usage:
+                    yield sse({**base, "choices": [], "usage": payload["usage"]})
+        yield "data: [DONE]\n\n"
+
+    def respond(self, job: Job, req: Common, request: Request, chat: bool):
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _JobStream(self.stream(job, request, chat, include_usage), job, self.engine)
+
+    async def completions(self, request: Request):
+        req = parse_request(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
+        self.check_model(req.model)
+        job = self.admit(req, self._prompt_ids(req.prompt), req.max_tokens, "prompt")
+        if req.stream:
+            return self.respond(job, req, request, chat=False)
+        out = await self.collect(job, request)
+        return {"id": "cmpl-" + job.id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "text": out["text"], "logprobs": None,
+                             "finish_reason": out["finish_reason"]}],
+                "usage": out["usage"], "medusa_lite": out["medusa_lite"]}
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        """A completion request's prompt (a string, a list of one string, or token ids) as token ids."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "one prompt per request (send several requests: they are batched)", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.engine.encode(prompt, special=True)
+        vocab = self.engine.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return list(prompt)
+
+    async def chat_completions(self, request: Request):
+        req = parse_request(ChatRequest, await read_json(request, self.settings.max_body_bytes))
+        self.check_model(req.model)
+        if not req.messages:
+            raise APIError(400, "messages must not be empty", param="messages")
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in req.messages]
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        job = self.admit(req, self.engine.chat_prompt(messages), requested, "messages")
+        if req.stream:
+            return self.respond(job, req, request, chat=True)
+        out = await self.collect(job, request)
+        return {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                             "logprobs": None, "finish_reason": out["finish_reason"]}],
+                "usage": out["usage"], "medusa_lite": out["medusa_lite"]}

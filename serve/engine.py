@@ -1,0 +1,304 @@
+"""The decoding worker: one thread that owns the model and decodes the admitted requests in one continuous batch,
+each request's tokens turned into text deltas and reported to its asyncio queue."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from medusa_lite import MedusaModel
+from medusa_lite._hf import context_length
+
+from .metrics import Metrics, speculative_stats
+from .schemas import APIError
+
+log = logging.getLogger("medusa_lite.serve")
+
+
+class Cancelled(Exception):
+    """Raised inside ``generate`` (from the streamer) when a request is cancelled."""
+
+
+@dataclass(eq=False)  # identity semantics: jobs are found in the queue by identity
+class Job:
+    """One admitted request; the worker reports to ``events`` (an asyncio queue) via ``emit``."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    gen_kwargs: dict[str, Any]
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    cancel: threading.Event = field(default_factory=threading.Event)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token: float | None = None
+    seq: Any = None          # its row in the running batch (medusa_lite.decode.Sequence), once admitted
+    detok: Any = None
+
+    def emit(self, kind: str, payload: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed: the server is gone, nobody listens
+            pass
+
+
+class Detokenizer:
+    """Token ids -> text deltas whose concatenation is the final text, cut at the first stop string.
+
+    Text that might still become (the start of) a stop string, or an incomplete UTF-8 sequence, is
+    held back until more tokens arrive or generation ends.
+    """
+
+    def __init__(self, tokenizer, lock: threading.Lock, stop: list[str]):
+        self.tok, self.lock, self.stop = tokenizer, lock, stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def _text(self) -> tuple[str, bool]:
+        with self.lock:
+            text = self.tok.decode(self.ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        return (text[:min(cuts)], True) if cuts else (text, False)
+
+    def add(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text, stopped = self._text()
+        if not stopped:
+            text = text[:len(text) - self.hold] if self.hold else text
+            text = text.rstrip("\ufffd")
+        return self._advance(text)
+
+    def finish(self) -> tuple[str, bool]:
+        """(last delta, whether a stop string cut the text)."""
+        text, stopped = self._text()
+        return self._advance(text), stopped
+
+    def _advance(self, text: str) -> str:
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""  # nothing new (or a tokenizer that re-spells earlier text: keep what was sent)
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+
+class _JobStreamer:
+    """transformers-style streamer for one job: raises :class:`Cancelled` once the job's flag is set."""
+
+    def __init__(self, job: Job, detok: Detokenizer, metrics: Metrics):
+        self.job, self.detok, self.metrics = job, detok, metrics
+        self.prompt_seen = False
+        self.tokens = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() first puts the prompt
+            self.prompt_seen = True
+            return
+        if self.job.cancel.is_set():
+            raise Cancelled
+        ids = value.reshape(-1).tolist()
+        self.tokens += len(ids)
+        if self.job.first_token is None:
+            self.job.first_token = time.perf_counter()
+            self.metrics.ttft.observe(self.job.first_token - self.job.arrival)
+        delta = self.detok.add(ids)
+        self.job.emit("delta", (delta, self.tokens))
+
+    def end(self) -> None:
+        pass
+
+
+class Engine:
+    """Owns the model; admits jobs into a bounded FIFO and decodes up to ``max_batch_size`` of them at once on one
+    thread (continuous batching, :class:`medusa_lite.decode.SpeculativeBatch`): between two verify steps,
+    cancelled rows leave and waiting jobs join (each prefilled by a forward of its own); every step verifies all
+    rows' trees in one target forward of at most ``max_batched_tokens`` tree tokens. Each row stops, streams and
+    fails on its own: its output is its solo output whatever the other rows do."""
+
+    def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 8,
+                 max_batched_tokens: int = 128):
+        self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
+        self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
+        self.batch = model.decoder(max_step_tokens=max_batched_tokens)
+        if not self.batch.batchable:
+            log.info("one request at a time: this model has sliding-window layers, which cannot share a batch")
+            self.max_batch_size = 1
+        self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
+        self.limit = context_length(model.base_model.config)
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
+        if not self.eos and tokenizer.eos_token_id is not None:
+            self.eos = {tokenizer.eos_token_id}
+        self._pending: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.running: list[Job] = []  # the rows of the batch (changed by the worker, under the lock)
+        self._thread = threading.Thread(target=self._loop, name="medusa-worker", daemon=True)
+
+    # ---------------------------------------------------------- tokenization (event-loop thread)
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        with self.tok_lock:
+            return self.tok(text, add_special_tokens=special)["input_ids"]
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if getattr(self.tok, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        try:
+            with self.tok_lock:
+                text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja raise_exception(), e.g. roles out of order
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
+        return self.encode(text, special=False)
+
+    # ---------------------------------------------------------- admission
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            if len(self._pending) >= self.max_queue + max(self.max_batch_size - len(self.running), 0):
+                raise APIError(429, f"the server is busy: {len(self._pending)} requests are waiting (max_queue)",
+                               type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            self._pending.append(job)
+            self.metrics.waiting.set(len(self._pending))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Cancel ``job``: a waiting job leaves the queue now, a running one leaves the batch before the next step."""
+        job.cancel.set()
+        with self._cond:
+            if job in self._pending:
+                self._pending.remove(job)
+                self.metrics.waiting.set(len(self._pending))
+                self.metrics.finished.labels(finished_reason="cancelled").inc()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Refuse new jobs, cancel waiting and running ones, join the worker."""
+        with self._cond:
+            self._closed = True
+            for job in self._pending:
+                job.cancel.set()
+                job.emit("error", APIError(503, "the server is shutting down", type="server_error"))
+            self._pending.clear()
+            self.metrics.waiting.set(0)
+            for job in self.running:
+                job.cancel.set()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------- the worker
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self.running and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self.running:
+                    return
+                joining = []
+                while self._pending and len(self.running) + len(joining) < self.max_batch_size:
+                    joining.append(self._pending.popleft())
+                self.metrics.waiting.set(len(self._pending))
+            for job in joining:
+                self._join(job)
+            self._leave([job for job in self.running if job.cancel.is_set()], Cancelled())
+            if self.batch.rows:
+                self.metrics.batch_size.observe(len(self.batch.rows))
+                try:
+                    finished = self.batch.step()
+                except Exception as e:  # noqa: BLE001 - the step failed for every row: fail them, keep serving
+                    log.exception("decoding step failed")
+                    self._leave(list(self.running), e)
+                    finished = []
+                for seq in finished:
+                    self._finish(seq.tag)
+            self.metrics.running.set(len(self.running))
+
+    def _join(self, job: Job) -> None:
+        """Prefill ``job`` and add it to the batch (or finish it: its first token was its last, or it is bad)."""
+        detok = Detokenizer(self.tok, self.tok_lock, job.stop)
+        streamer = _JobStreamer(job, detok, self.metrics)
+        streamer.prompt_seen = True  # the prompt is not streamed back
+        kwargs = dict(job.gen_kwargs)
+        if job.stop:  # built here, under the lock: the event loop thread tokenizes concurrently
+            with self.tok_lock:
+                kwargs["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tok, job.stop)])
+        job.detok = detok
+        try:
+            if job.cancel.is_set():
+                raise Cancelled
+            ids = torch.tensor(job.prompt_ids, dtype=torch.long, device=self.model.device)
+            job.seq = self.model.sequence(ids, max_new_tokens=job.max_tokens, streamer=streamer, tag=job, **kwargs)
+            joined = self.batch.add(job.seq)
+        except Exception as e:  # noqa: BLE001 - reported to this request only
+            self._fail(job, e)
+            return
+        if joined:
+            with self._cond:
+                self.running.append(job)
+        else:
+            self._finish(job)
+
+    def _leave(self, jobs: list[Job], error: BaseException) -> None:
+        """Take ``jobs`` out of the batch now (cancelled, or their step failed) and report ``error`` to each."""
+        if not jobs:
+            return
+        self.batch.remove([job.seq for job in jobs])
+        for job in jobs:
+            job.seq.error = error
+            self._finish(job)
+
+    def _fail(self, job: Job, e: BaseException) -> None:
+        if isinstance(e, Cancelled):
+            self.metrics.finished.labels(finished_reason="cancelled").inc()
+            job.emit("error", APIError(499, "request cancelled", code="cancelled"))
+            return
+        self.metrics.finished.labels(finished_reason="error").inc()
+        if isinstance(e, ValueError):
+            job.emit("error", APIError(400, str(e)))
+            return
+        log.error("generation failed: %s: %s", type(e).__name__, e)
+        job.emit("error", APIError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error"))
+
+    def _finish(self, job: Job) -> None:
+        with self._cond:
+            if job in self.running:
+                self.running.remove(job)
+        seq = job.seq
+        if seq.error is not None:
+            self._fail(job, seq.error)
+            return
+        stats, detok = seq.stats, job.detok
+        new = seq.stopper.generated
+        delta, stopped = detok.finish()
+        if stopped or (new and new[-1] in self.eos) or len(new) < job.max_tokens:
+            reason = "stop"
+        else:
+            reason = "length"
+        now = time.perf_counter()
+        m = self.metrics
+        m.e2e.observe(now - job.arrival)
+        m.finished.labels(finished_reason=reason).inc()
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        m.generation_tokens.inc(len(new))
+        m.record_spec(stats)
+        m.record_fitted(stats, "sample" if job.gen_kwargs.get("do_sample") else "greedy")
+        job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent,
+                          "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
+                                    "total_tokens": len(job.prompt_ids) + len(new)},
+                          "medusa_lite": speculative_stats(stats)})

@@ -1,0 +1,161 @@
+"""The API's request schemas (pydantic, strict) and errors (OpenAI's ``{"error": {...}}`` JSON), the request body
+reader, and OpenAI sampling parameters turned into ``generate`` arguments."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import torch
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` JSON."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _Strict(BaseModel):
+    # strict: "10" is not an int, true is not a number; unknown fields (user, metadata, ...) are ignored
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)          # extension (vLLM's); -1 or 0: no top-k
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # accepted at their neutral values only (see _check_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
+    logprobs: bool | int | None = None
+
+
+class CompletionRequest(Common):
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = None
+    tools: list | None = None
+
+
+def _check_unsupported(req: Common) -> None:
+    """400 for OpenAI parameters this server accepts only at their neutral value."""
+    for name in ("n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo",
+                 "suffix", "top_logprobs", "tools"):
+        value = getattr(req, name, None)
+        neutral = value is None or (value == 1 if name in ("n", "best_of") else not value)
+        if not neutral:
+            what = "n must be 1: one completion per request" if name == "n" else f"{name}={value!r} is not supported"
+            raise APIError(400, f"{what} (medusa_lite serves one completion per request, greedy or sampling)",
+                           param=name, code="unsupported_parameter")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
+
+
+_UNION_HINTS = {"prompt": "a string, a list with one string or a list of token ids",
+                "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
+
+
+def parse_request(schema: type[Common], body: Any) -> Common:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = schema.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        # loc names fields, list indices and union members ("prompt.str"): keep fields and indices
+        fields = {f for m in (schema, Message, TextPart, StreamOptions) for f in m.model_fields}
+        path = [str(x) for x in err["loc"] if isinstance(x, int) or x in fields]
+        if err["type"] == "missing":
+            code = "missing_required_parameter"
+        elif err["type"].startswith(("greater_than", "less_than")):
+            code = "invalid_value"
+        else:
+            code = "invalid_type"
+        msg = err["msg"]
+        if len(path) < len(err["loc"]) and path and path[-1] in _UNION_HINTS:  # a union member failed
+            msg = f"expected {_UNION_HINTS[path[-1]]}"
+        raise APIError(400, f"{'.'.join(path) or 'body'}: {msg}", param=path[0] if path else None, code=code)
+    _check_unsupported(req)
+    return req
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 beyond ``limit`` bytes (checked before reading where a length is given)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the body", code="client_disconnected")
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json")
+    except RecursionError:  # json nests by recursion: a body nested thousands of levels deep
+        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json")
+
+
+def sampling_kwargs(req: Common, device: torch.device) -> dict[str, Any]:
+    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's)."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature == 0:
+        return {"do_sample": False}
+    kwargs: dict[str, Any] = {"do_sample": True, "temperature": temperature,
+                              "top_p": 1.0 if req.top_p is None else req.top_p,
+                              "top_k": 0 if req.top_k in (None, -1) else req.top_k}
+    if req.seed is not None:
+        kwargs["generator"] = torch.Generator(device=device).manual_seed(req.seed)
+    return kwargs

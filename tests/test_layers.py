@@ -1,0 +1,185 @@
+"""The layering of the source tree (issue #22): every import, module-level or inside a function, goes down the
+declared layer order or sideways within a layer, never up, and no set of modules imports itself in a circle.
+Also the size limits a reader relies on: no source file over 450 lines, no function over 60 lines (tests aside).
+
+The walk reads the files with ``ast`` (nothing is imported). ``train/`` and ``serve/`` install as
+``medusa_lite.train`` and ``medusa_lite.serve`` (pyproject's package-dir mapping) and are walked under those names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"medusa_lite": ROOT / "medusa_lite", "medusa_lite.train": ROOT / "train", "medusa_lite.serve": ROOT / "serve"}
+
+# Bottom first; a module may import modules of its own layer or of the layers below it. A name stands for the module
+# or package of that name and everything under it (the longest match decides).
+LAYERS: list[tuple[str, ...]] = [
+    ("medusa_lite._version", "medusa_lite._hf", "medusa_lite.paths", "medusa_lite.machine",  # leaves
+     "medusa_lite.specbench"),
+    ("medusa_lite.tree",),
+    ("medusa_lite.verify", "medusa_lite.sampling", "medusa_lite.kernels"),
+    ("medusa_lite.cache",),
+    ("medusa_lite.config",),
+    ("medusa_lite.drafters",),
+    ("medusa_lite.decode",),
+    ("medusa_lite.fit",),
+    ("medusa_lite.calibrate",),
+    ("medusa_lite.heads_io", "medusa_lite.model", "medusa_lite.targets"),
+    ("medusa_lite.settings", "medusa_lite.cli"),
+    ("medusa_lite",),                                    # the package's facade (__init__)
+    ("medusa_lite.train", "medusa_lite.serve"),          # the scripts, on top of the library
+]
+EXACT = {"medusa_lite"}  # names that stand for that module alone (the facade is not its subpackages' layer)
+
+MAX_FILE_LINES = 450
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def _resolve(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute name of a relative import's base (``from ..x import y`` in ``module``)."""
+    if level == 0:
+        return name or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+def imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its body (functions included)."""
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for module, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, is_package, node.level, node.module)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for target in targets:
+                hit = known(target)
+                if hit is not None and hit != module:
+                    edges[module].add(hit)
+    return edges
+
+
+def layer_of(module: str) -> int:
+    best, index = -1, None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            covers = module == name or (module.startswith(name + ".") and name not in EXACT)
+            if covers and len(name) > best:
+                best, index = len(name), i
+    if index is None:
+        raise AssertionError(f"{module} is in no layer of tests/test_layers.py: declare where it belongs")
+    return index
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def upward(edges: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(a, b) for a, targets in edges.items() for b in targets if layer_of(b) > layer_of(a)}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return imports(_modules())
+
+
+def test_every_module_has_a_layer(graph):
+    for module in graph:
+        layer_of(module)
+
+
+def test_no_import_goes_up(graph):
+    assert upward(graph) == set(), "imports that go up the layer order"
+
+
+def test_no_import_circles(graph):
+    assert circles(graph) == [], "import circles"
+
+
+def test_the_layer_test_sees_an_upward_import():
+    edges = {"medusa_lite.tree": {"medusa_lite.model"}, "medusa_lite.model": set()}
+    assert upward(edges) == {("medusa_lite.tree", "medusa_lite.model")}
+
+
+def test_the_walk_sees_function_level_imports(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("from . import a\n")
+    modules = {"p": pkg / "__init__.py", "p.a": pkg / "a.py", "p.b": pkg / "b.py"}
+    assert circles(imports(modules)) == [["p.a", "p.b"]]
+
+
+def _long_functions(path: Path, name: str) -> dict[str, int]:
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[f"{name}:{node.name}:{node.lineno}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_files_and_functions_a_reader_can_hold():
+    long_files, long_functions = [], []
+    for path in _modules().values():
+        rel = str(path.relative_to(ROOT))
+        if len(path.read_text().splitlines()) > MAX_FILE_LINES:
+            long_files.append(rel)
+        long_functions += [key for key, length in _long_functions(path, rel).items() if length > MAX_FUNCTION_LINES]
+    assert long_files == [], f"files over {MAX_FILE_LINES} lines"
+    assert long_functions == [], f"functions over {MAX_FUNCTION_LINES} lines"
