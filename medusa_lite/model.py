@@ -11,7 +11,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ._hf import context_length, text_config
-from .cache import check_model
+from .kv import check_model
 from .decode import GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree, run_batch
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
 from .fit import AcceptanceTable, BatchGuards, FitSession, FittedPlan, HardwareFit, SpeedGuard

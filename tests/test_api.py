@@ -10,7 +10,7 @@ from conftest import random_heads, tiny_model, tiny_tokenizer
 from transformers import MistralConfig, MistralForCausalLM, StoppingCriteria, TextIteratorStreamer, TextStreamer
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.cache import UnsupportedCacheError
+from medusa_lite.kv import UnsupportedCacheError
 
 
 @pytest.fixture

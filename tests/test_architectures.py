@@ -122,7 +122,7 @@ def _prompt(length: int = PROMPT) -> torch.Tensor:
 
 def _check_layers(arch: Arch, target) -> None:
     """The configured attention pattern is what the cache holds (else the matrix would test nothing)."""
-    from medusa_lite.cache import layer_types
+    from medusa_lite.kv import layer_types
 
     types = set(layer_types(target))
     expected = {"full": {"full_attention"}, "sliding": {"sliding_attention"},
@@ -152,7 +152,7 @@ def test_greedy_identical(name):
 @pytest.mark.parametrize("name", REFUSED)
 def test_refused_at_construction(name):
     from medusa_lite import MedusaConfig, MedusaModel
-    from medusa_lite.cache import UnsupportedCacheError
+    from medusa_lite.kv import UnsupportedCacheError
 
     arch = BY_NAME[name]
     target = arch.build()
@@ -202,7 +202,7 @@ def test_trees_straddle_the_window(name, window):
 def test_control_full_attention_on_sliding_layers_differs(name, monkeypatch):
     """A deliberately wrong mask (sliding layers see every key they hold: no window) must change the output,
     so the matrix above would catch a wrong window."""
-    import medusa_lite.cache as cache
+    import medusa_lite.kv.masks as cache
     from medusa_lite import MedusaConfig, MedusaModel
 
     target = BY_NAME[name].build()
@@ -249,7 +249,7 @@ def test_hydra_trees_on_sliding_layers(name, tree):
 def test_full_attention_models_build_no_sliding_mask(monkeypatch):
     """No extra work without sliding layers: the verify mask is the plain full one (a tensor, not a dict),
     and the sliding mask is never built."""
-    import medusa_lite.cache as cache
+    import medusa_lite.kv.masks as cache
     from medusa_lite import MedusaConfig, MedusaModel
 
     def boom(*args, **kwargs):
@@ -265,7 +265,7 @@ def test_full_attention_models_build_no_sliding_mask(monkeypatch):
 
 def refusal_reason(arch: Arch) -> str:
     from medusa_lite import MedusaConfig, MedusaModel
-    from medusa_lite.cache import UnsupportedCacheError
+    from medusa_lite.kv import UnsupportedCacheError
 
     try:
         MedusaModel(arch.build(), MedusaConfig(num_heads=2))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .._hf import cache_kwarg
-from ..cache import new_cache
+from ..kv import new_cache
 from ..fit import BUCKETS, bucket_of
 from ..fit.probe import overhead_per_step, verify_seconds
 from ..specbench import chat_prompt

@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from .._hf import cache_kwarg, context_length
-from ..cache import check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, select_rows
+from ..kv import check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, select_rows
 from ..drafters import Draft, Drafter, DraftState
 from .forward import prefill, read_features, verify_forward, verify_rows
 from .plans import BatchPlanner, Plan, first_nodes
@@ -32,8 +32,8 @@ class SpeculativeBatch:
     Each :meth:`step` drafts every row's tree (its own plan, its own depth cap) and verifies all of them in one
     target forward of B x N tokens; acceptance, stopping, streaming and the cache commit are per row. Rows
     advance by different amounts, so the shared cache has holes (see the batch functions of
-    :mod:`medusa_lite.cache`): each row has its own positions and attention mask, and the holes are closed
-    when they exceed a quarter of the slots (:func:`~medusa_lite.cache.compact_rows`). A row alone in the batch
+    :mod:`medusa_lite.kv.rows`): each row has its own positions and attention mask, and the holes are closed
+    when they exceed a quarter of the slots (:func:`~medusa_lite.kv.compact_rows`). A row alone in the batch
     with no holes takes exactly the batch-1 path (sliding-window layers, packed verify kernels).
 
     Exact per row: a row's greedy output is its batch-1 output (up to floating-point ties between the batched
@@ -201,7 +201,7 @@ class SpeculativeBatch:
 def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
     """Decode every sequence to its end: all in one batch (consecutive sequences with the same prompt share its
     prefill), or one after another where the model cannot batch (sliding-window layers,
-    :func:`~medusa_lite.cache.check_batchable`)."""
+    :func:`~medusa_lite.kv.check_batchable`)."""
     if not batch.batchable:
         for seq in seqs:
             batch.add(seq)

@@ -9,7 +9,7 @@ import time
 import torch
 
 from .._hf import prefill_kwargs
-from ..cache import batch_attention_mask, tree_attention_mask
+from ..kv import batch_attention_mask, tree_attention_mask
 from ..drafters import Draft, Drafter, drafter_features
 from ..tree import TreeBuffers
 
@@ -25,8 +25,8 @@ def prefill(target, prompt: torch.Tensor, cache_arg: dict):
 def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers, cache_len: int, kernels=None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``; (output, seconds).
 
-    tokens: [N] node tokens. The cache grows by N entries (compact it with ``cache.keep_accepted``). Sliding-window
-    layers get their own mask (``cache.tree_attention_mask``).
+    tokens: [N] node tokens. The cache grows by N entries (compact it with ``kv.keep_accepted``). Sliding-window
+    layers get their own mask (``kv.tree_attention_mask``).
     ``kernels``: a :class:`medusa_lite.kernels.VerifyKernels` (packed GEMM for the sizes where it is faster).
     """
     dtype = target.get_output_embeddings().weight.dtype

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .._hf import cache_kwarg
-from ..cache import extend_cache, new_cache
+from ..kv import extend_cache, new_cache
 from ..decode import speculative_generate, verify_forward
 from ..drafters import drafter_features
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes

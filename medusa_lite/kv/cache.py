@@ -25,8 +25,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 
-from ._hf import text_config
-from .tree import TreeBuffers, attention_bias, sliding_attention_bias
+from .._hf import text_config
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 # cache layer class -> the layer type (and the key of transformers' per-type mask mapping) it serves
@@ -93,37 +92,6 @@ def check_cache(cache, types: list[str] | None = None) -> None:
                                     "takes one mask for all of them")
 
 
-def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: int,
-                        dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
-    """The verify pass's attention mask: one 4D additive mask, or ``{layer type: mask}`` when full and
-    sliding layers alternate (what transformers' models with mixed layers accept).
-
-    Full layers: :func:`medusa_lite.tree.attention_bias` (every node sees the whole cache and its
-    ancestors). Sliding layers: :func:`medusa_lite.tree.sliding_attention_bias` over the keys the layer
-    still holds (its ``get_mask_sizes``). A cache without sliding layers takes the full mask alone.
-    The first call turns the sliding layers' past recording on (the verify pass appends a whole tree).
-    """
-    sliding = cache.is_sliding
-    if not any(sliding):
-        return attention_bias(buffers, cache_len, dtype)
-    n = buffers.num_nodes
-    layer = sliding.index(True)
-    if not cache.is_recording_past(layer):
-        # from the first verify pass on (the prefill has already trimmed the layers to their window),
-        # sliding layers keep the tree's keys until keep_accepted crops them
-        cache.activate_past_recording()
-    kv_length, kv_offset = cache.get_mask_sizes(n, layer)
-    if kv_offset + kv_length - n != cache_len:
-        raise RuntimeError(f"sliding layer {layer} holds positions up to {kv_offset + kv_length - n}, "
-                           f"the tree starts at {cache_len}")
-    window = int(cache.layers[layer].sliding_window)
-    masks = {SLIDING: sliding_attention_bias(buffers, cache_len, dtype, window, kv_offset)}
-    if all(sliding):
-        return masks[SLIDING]
-    masks[FULL] = attention_bias(buffers, cache_len, dtype)
-    return masks
-
-
 def keep_accepted(cache: DynamicCache, prefix_len: int, accepted: torch.Tensor) -> None:
     """Keep cache positions ``[0, prefix_len)`` plus ``prefix_len + accepted``; drop every other tree node.
 
@@ -183,80 +151,3 @@ def check_batchable(cache: DynamicCache) -> None:
     if any(cache.is_sliding):
         raise UnsupportedCacheError("batched verification needs full-attention layers only: this model has "
                                     "sliding-window layers, which decode one sequence at a time")
-
-
-def _pad_slots(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[B, H, S, D] -> [B, H, n + S, D], n zero slots in front."""
-    return torch.nn.functional.pad(x, (0, 0, n, 0)) if n else x
-
-
-def join_rows(cache: DynamicCache, valid: torch.Tensor, other: DynamicCache, other_valid: torch.Tensor) -> torch.Tensor:
-    """Append ``other``'s rows to ``cache`` (in place): the shorter side is left-padded with holes.
-    valid: [B, S], other_valid: [B', S'] -> [B + B', max(S, S')]."""
-    s, t = valid.shape[1], other_valid.shape[1]
-    length = max(s, t)
-    for mine, theirs in zip(cache.layers, other.layers):
-        mine.keys = torch.cat([_pad_slots(mine.keys, length - s), _pad_slots(theirs.keys, length - t)])
-        mine.values = torch.cat([_pad_slots(mine.values, length - s), _pad_slots(theirs.values, length - t)])
-    pad = torch.nn.functional.pad
-    return torch.cat([pad(valid, (length - s, 0)), pad(other_valid, (length - t, 0))])
-
-
-def select_rows(cache: DynamicCache, valid: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Keep only ``rows`` ([B'] long) of the cache (in place); returns their valid mask [B', S]."""
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, rows)
-        layer.values = layer.values.index_select(0, rows)
-    return valid.index_select(0, rows)
-
-
-def keep_accepted_rows(cache: DynamicCache, prefix_len: int, accepted: list[torch.Tensor]) -> torch.Tensor:
-    """Batched :func:`keep_accepted`: row b keeps slots ``[0, prefix_len)`` and its accepted nodes, moved to the
-    front of the step's block; the block is cut to the longest row's A nodes.
-
-    accepted: per row [a_b] long node indices, increasing (root first). Returns [B, A] bool: which of the A new
-    slots each row holds (the others are holes)."""
-    lengths = [int(a.numel()) for a in accepted]
-    width = max(lengths)
-    device = cache.layers[0].keys.device
-    if any(int(a[-1]) != n - 1 for a, n in zip(accepted, lengths)):  # some row accepted a non-first branch
-        index = torch.stack([torch.nn.functional.pad(a, (0, width - n), value=int(a[-1]))
-                             for a, n in zip(accepted, lengths)]).to(device)  # [B, A]
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                x = getattr(layer, name)
-                block = x[:, :, prefix_len:]                                          # [B, H, N, D]
-                gather = index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])  # [B, H, A, D]
-                x[:, :, prefix_len:prefix_len + width] = block.gather(2, gather)
-    for layer in cache.layers:
-        layer.keys = layer.keys[:, :, :prefix_len + width]
-        layer.values = layer.values[:, :, :prefix_len + width]
-    return torch.arange(width, device=device)[None] < torch.tensor(lengths, device=device)[:, None]
-
-
-def compact_rows(cache: DynamicCache, valid: torch.Tensor) -> torch.Tensor:
-    """Close the holes (in place): every row's held slots move to the end, in order, and the columns no row needs
-    are dropped. valid: [B, S] -> [B, S'] with S' the longest row's held slots."""
-    held = int(valid.sum(dim=1).max())
-    order = torch.sort(valid.to(torch.int8), dim=1, stable=True).indices[:, valid.shape[1] - held:]  # [B, S']
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            x = getattr(layer, name)
-            setattr(layer, name, x.gather(2, order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])))
-    return valid.gather(1, order)
-
-
-def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask of a verify pass over B rows' trees, padded to ``nodes`` tokens: [B, 1, nodes, S + nodes].
-
-    Row b's nodes see the cache slots ``valid[b]`` ([B, S] bool) marks and their own ancestors (its tree's
-    ``ancestor_mask``); padding nodes past its tree see the cache and themselves only, and are never accepted."""
-    batch, slots = valid.shape
-    allowed = torch.zeros(batch, nodes, slots + nodes, dtype=torch.bool, device=valid.device)
-    allowed[:, :, :slots] = valid[:, None, :]
-    allowed[:, :, slots:] = torch.eye(nodes, dtype=torch.bool, device=valid.device)
-    for b, tree in enumerate(trees):
-        n = tree.num_nodes
-        allowed[b, :n, slots:slots + n] = tree.ancestor_mask
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
-    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]

@@ -1,0 +1,56 @@
+"""The attention masks of verify forwards: one row's tree over its cache, with sliding-window layers' own mask
+(:func:`tree_attention_mask`), and many rows' trees over a shared cache with holes (:func:`batch_attention_mask`)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from ..tree import TreeBuffers, attention_bias, sliding_attention_bias
+from .cache import FULL, SLIDING
+
+def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: int,
+                        dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The verify pass's attention mask: one 4D additive mask, or ``{layer type: mask}`` when full and
+    sliding layers alternate (what transformers' models with mixed layers accept).
+
+    Full layers: :func:`medusa_lite.tree.attention_bias` (every node sees the whole cache and its
+    ancestors). Sliding layers: :func:`medusa_lite.tree.sliding_attention_bias` over the keys the layer
+    still holds (its ``get_mask_sizes``). A cache without sliding layers takes the full mask alone.
+    The first call turns the sliding layers' past recording on (the verify pass appends a whole tree).
+    """
+    sliding = cache.is_sliding
+    if not any(sliding):
+        return attention_bias(buffers, cache_len, dtype)
+    n = buffers.num_nodes
+    layer = sliding.index(True)
+    if not cache.is_recording_past(layer):
+        # from the first verify pass on (the prefill has already trimmed the layers to their window),
+        # sliding layers keep the tree's keys until keep_accepted crops them
+        cache.activate_past_recording()
+    kv_length, kv_offset = cache.get_mask_sizes(n, layer)
+    if kv_offset + kv_length - n != cache_len:
+        raise RuntimeError(f"sliding layer {layer} holds positions up to {kv_offset + kv_length - n}, "
+                           f"the tree starts at {cache_len}")
+    window = int(cache.layers[layer].sliding_window)
+    masks = {SLIDING: sliding_attention_bias(buffers, cache_len, dtype, window, kv_offset)}
+    if all(sliding):
+        return masks[SLIDING]
+    masks[FULL] = attention_bias(buffers, cache_len, dtype)
+    return masks
+
+
+def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of a verify pass over B rows' trees, padded to ``nodes`` tokens: [B, 1, nodes, S + nodes].
+
+    Row b's nodes see the cache slots ``valid[b]`` ([B, S] bool) marks and their own ancestors (its tree's
+    ``ancestor_mask``); padding nodes past its tree see the cache and themselves only, and are never accepted."""
+    batch, slots = valid.shape
+    allowed = torch.zeros(batch, nodes, slots + nodes, dtype=torch.bool, device=valid.device)
+    allowed[:, :, :slots] = valid[:, None, :]
+    allowed[:, :, slots:] = torch.eye(nodes, dtype=torch.bool, device=valid.device)
+    for b, tree in enumerate(trees):
+        n = tree.num_nodes
+        allowed[b, :n, slots:slots + n] = tree.ancestor_mask
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
