@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from medusa_lite.config import CONFIG_NAME
 from medusa_lite.settings import Names, SettingsParser, option
 
 LEDGER = "ledger.json"
@@ -100,10 +101,15 @@ def next_chunk(ledger: dict, chunk: int) -> dict:
     num = min(chunk, ledger["eval_start"] - start)
     if num <= 0:
         raise ValueError(f"every prompt before the held-out range ({ledger['eval_start']}) is answered")
-    entry = {"file": f"data/distill-{start:05d}.jsonl.gz", "skip_prompts": start, "num_prompts": num,
-             "records": 0, "answer_tokens": 0, "seconds": 0.0, "complete": False, "runs": []}
+    entry = new_entry(f"data/distill-{start:05d}.jsonl.gz", start, num)
     ledger["data"].append(entry)
     return entry
+
+
+def new_entry(file: str, skip_prompts: int, num_prompts: int) -> dict:
+    """A ledger entry for prompts ``skip_prompts .. + num_prompts`` answered into ``file`` (nothing done yet)."""
+    return {"file": file, "skip_prompts": skip_prompts, "num_prompts": num_prompts, "records": 0,
+            "answer_tokens": 0, "seconds": 0.0, "complete": False, "runs": []}
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -152,9 +158,7 @@ def run_data(root: Path, ledger: dict, args: CampaignSettings) -> None:
 
 def run_eval(root: Path, ledger: dict, args: CampaignSettings) -> None:
     """The held-out documents: answers to ``eval_prompts`` prompts from ``eval_start`` on (made once)."""
-    entry = ledger["eval"] or {"file": "eval/heldout.jsonl.gz", "skip_prompts": args.eval_start,
-                               "num_prompts": args.eval_prompts, "records": 0, "answer_tokens": 0, "seconds": 0.0,
-                               "complete": False, "runs": []}
+    entry = ledger["eval"] or new_entry("eval/heldout.jsonl.gz", args.eval_start, args.eval_prompts)
     ledger["eval"] = entry
     if not entry["complete"]:
         distill_chunk(root, entry, args, args.minutes, Path("runs/campaign/eval"))
@@ -177,7 +181,7 @@ def train_overrides(root: Path, ledger: dict, args: CampaignSettings, base) -> l
            f"time_limit_minutes={args.minutes}", "cache_features=false"]
     if ledger["eval"] and ledger["eval"]["records"]:
         out.append(f"eval_data={root / ledger['eval']['file']}")
-    if (root / base.head_type / "medusa_config.json").is_file():
+    if (root / base.head_type / CONFIG_NAME).is_file():
         out.append(f"init_heads={root / base.head_type}")
     if args.threads:
         out.append(f"threads={args.threads}")
