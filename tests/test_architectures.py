@@ -110,6 +110,9 @@ ARCHITECTURES = [
     Arch("LFM2", "lfm2", dict(layer_types=["conv", "full_attention"]), refused="conv"),
     Arch("Falcon-H1", "falcon_h1", dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
                                         mamba_chunk_size=16), refused="hybrid"),
+    Arch("Bloom (ALiBi)", "bloom", dict(num_key_value_heads=None), refused="ALiBi"),
+    Arch("MPT (ALiBi)", "mpt", dict(d_model=64, n_layers=2, n_heads=4, hidden_size=None, num_hidden_layers=None,
+                                    num_attention_heads=None, num_key_value_heads=None), refused="ALiBi"),
 ]
 BY_NAME = {a.name: a for a in ARCHITECTURES}
 SUPPORTED = [a.name for a in ARCHITECTURES if a.refused is None]
@@ -282,7 +285,8 @@ def markdown_table() -> str:
         else:
             result = "refused at `MedusaModel(...)`: " + refusal_reason(arch).replace("|", "\\|")
         attention = {"full": "full", "sliding": f"sliding window ({WINDOW})",
-                     "alternating": f"full + sliding ({WINDOW})"}[arch.attention] if arch.refused is None else "hybrid"
+                     "alternating": f"full + sliding ({WINDOW})"}[arch.attention] if arch.refused is None \
+            else "full, ALiBi" if arch.refused == "ALiBi" else "hybrid"
         rows.append(f"| {arch.name} | {attention} | {result} |")
     return "\n".join(rows)
 

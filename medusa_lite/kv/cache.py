@@ -14,7 +14,9 @@ Two kinds of cache layer can do that exactly:
 
 Recurrent, linear-attention, convolutional, hybrid and chunked layers are refused when the model is
 wrapped (:func:`check_model`, called by ``MedusaModel(...)``), with an error naming the layer type:
-their state after a tree of tokens mixes siblings, and cannot be rolled back to one path.
+their state after a tree of tokens mixes siblings, and cannot be rolled back to one path. So are ALiBi
+models (Bloom, MPT, Falcon with ``alibi``): transformers builds their bias from a 2-D mask, which cannot
+describe a tree.
 """
 
 from __future__ import annotations
@@ -59,7 +61,20 @@ def check_model(model) -> None:
     if "cache" not in params and "past_key_values" not in params:
         raise UnsupportedCacheError(f"{type(model).__name__}.forward takes no KV cache: medusa_lite cannot verify "
                                     "a tree of tokens on it")
-    check_cache(DynamicCache(config=text_config(model.config)), layer_types(model))
+    config = text_config(model.config)
+    if uses_alibi(config):
+        raise UnsupportedCacheError(
+            f"{type(model).__name__} adds ALiBi position biases, which transformers builds from a 2-D attention "
+            "mask (each key's offset counted along the sequence): a tree of drafted tokens needs a 4-D mask in "
+            "which a node's offset is its depth, so medusa_lite refuses this model rather than change its output")
+    check_cache(DynamicCache(config=config), layer_types(model))
+
+
+def uses_alibi(config) -> bool:
+    """Bloom, MPT, and Falcon with ``alibi=True``: attention biased by ALiBi built from the 2-D mask."""
+    attn = getattr(config, "attn_config", None)
+    return (config.model_type == "bloom" or bool(getattr(config, "alibi", False))
+            or bool(getattr(attn, "alibi", False)))
 
 
 def new_cache(model) -> DynamicCache:
