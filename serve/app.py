@@ -21,8 +21,6 @@ from .schemas import APIError, ChatRequest, Common, CompletionRequest, parse_req
 log = logging.getLogger("medusa_lite.serve")
 
 
-
-
 def _budget(engine: Engine, prompt_len: int, requested: int | None, default: int, param: str) -> int:
     """max_tokens after the context-window check (400 when prompt + max_tokens does not fit)."""
     if prompt_len == 0:
@@ -40,14 +38,15 @@ def _budget(engine: Engine, prompt_len: int, requested: int | None, default: int
     return requested
 
 
-async def _events(job: Job, engine: Engine, request: Request) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events; cancels the job when the client goes away (checked every 0.25 s)."""
-    finished = False
+async def _events(jobs: list[Job], engine: Engine, request: Request) -> AsyncIterator[tuple[int, str, Any]]:
+    """The events of a request's jobs (which share one queue) as (index, kind, payload), until every job is done
+    or one fails; cancels the unfinished jobs when the client goes away (checked every 0.25 s) or one fails."""
+    unfinished = {job.index for job in jobs}
     checked = time.monotonic()
     try:
-        while True:
+        while unfinished:
             try:
-                kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                index, kind, payload = await asyncio.wait_for(jobs[0].events.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 kind = None
             if time.monotonic() - checked >= 0.25:
@@ -57,13 +56,14 @@ async def _events(job: Job, engine: Engine, request: Request) -> AsyncIterator[t
             if kind is None:
                 continue
             if kind != "delta":
-                finished = True
-            yield kind, payload
-            if finished:
+                unfinished.discard(index)
+            yield index, kind, payload
+            if kind == "error":
                 return
     finally:
-        if not finished:
-            engine.cancel(job)
+        for job in jobs:
+            if job.index in unfinished:
+                engine.cancel(job)
 
 
 class _CountStatus:
@@ -85,18 +85,19 @@ class _CountStatus:
 
 
 class _JobStream(StreamingResponse):
-    """An SSE response that cancels its job however the response ends (a no-op for a finished job)."""
+    """An SSE response that cancels its jobs however the response ends (a no-op for a finished job)."""
 
-    def __init__(self, content, job: Job, engine: Engine):
+    def __init__(self, content, jobs: list[Job], engine: Engine):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job, self.engine = job, engine
+        self.jobs, self.engine = jobs, engine
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.engine.cancel(self.job)
+            for job in self.jobs:
+                self.engine.cancel(job)
 
 
 def create_app(engine: Engine, metrics: Metrics, settings, model_name: str) -> FastAPI:
@@ -174,69 +175,84 @@ class Api:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    def admit(self, req: Common, prompt_ids: list[int], requested: int | None, param: str) -> Job:
+    def admit(self, req: Common, prompt_ids: list[int], requested: int | None, param: str) -> list[Job]:
+        """The request's ``n`` completions, each a job of the engine (a row of the batch) reporting to one queue."""
         max_tokens = _budget(self.engine, len(prompt_ids), requested, self.settings.default_max_tokens, param)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        job = Job(prompt_ids, max_tokens, sampling_kwargs(req, self.engine.model.device), stop,
-                  asyncio.get_running_loop())
-        self.engine.submit(job)
-        return job
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        jobs = [Job(prompt_ids, max_tokens, sampling_kwargs(req, self.engine.model.device, i), stop, loop,
+                    events=events, index=i) for i in range(req.n or 1)]
+        try:
+            for job in jobs:
+                self.engine.submit(job)
+        except APIError:
+            for job in jobs:
+                self.engine.cancel(job)
+            raise
+        return jobs
 
-    async def collect(self, job: Job, request: Request) -> dict:
-        async for kind, payload in _events(job, self.engine, request):
+    async def collect(self, jobs: list[Job], request: Request) -> list[dict]:
+        """Every job's result, in index order (the first error raised)."""
+        results: dict[int, dict] = {}
+        async for index, kind, payload in _events(jobs, self.engine, request):
             if kind == "error":
                 raise payload
             if kind == "done":
-                return payload
-        raise APIError(499, "client disconnected", code="cancelled")
+                results[index] = payload
+        if len(results) < len(jobs):
+            raise APIError(499, "client disconnected", code="cancelled")
+        return [results[i] for i in range(len(jobs))]
 
-    async def stream(self, job: Job, request: Request, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        rid = ("chatcmpl-" if chat else "cmpl-") + job.id
+    async def stream(self, jobs: list[Job], request: Request, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(text: str | None, finish: str | None, role: bool = False, **fields) -> str:
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, **fields) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
             return sse({**base, "choices": [choice], **extra, **fields})
 
         if chat:
-            yield chunk(None, None, role=True)
-        async for kind, payload in _events(job, self.engine, request):
+            for job in jobs:
+                yield chunk(job.index, None, None, role=True)
+        done = []
+        async for index, kind, payload in _events(jobs, self.engine, request):
             if kind == "delta":
                 if payload[0]:
-                    yield chunk(payload[0], None)
+                    yield chunk(index, payload[0], None)
             elif kind == "error":
                 yield sse(payload.body())
                 break
             else:
                 if payload["delta"]:
-                    yield chunk(payload["delta"], None)
-                yield chunk(None if chat else "", payload["finish_reason"], medusa_lite=payload["medusa_lite"])
-                if include_usage:
-                    yield sse({**base, "choices": [], "usage": payload["usage"]})
+                    yield chunk(index, payload["delta"], None)
+                yield chunk(index, None if chat else "", payload["finish_reason"], medusa_lite=payload["medusa_lite"])
+                done.append(payload)
+        if include_usage and len(done) == len(jobs):
+            yield sse({**base, "choices": [], "usage": _usage(done)})
         yield "data: [DONE]\n\n"
 
-    def respond(self, job: Job, req: Common, request: Request, chat: bool):
+    def respond(self, jobs: list[Job], req: Common, request: Request, chat: bool):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _JobStream(self.stream(job, request, chat, include_usage), job, self.engine)
+        return _JobStream(self.stream(jobs, request, chat, include_usage), jobs, self.engine)
 
     async def completions(self, request: Request):
         req = parse_request(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
         self.check_model(req.model)
-        job = self.admit(req, self._prompt_ids(req.prompt), req.max_tokens, "prompt")
+        jobs = self.admit(req, self._prompt_ids(req.prompt), req.max_tokens, "prompt")
         if req.stream:
-            return self.respond(job, req, request, chat=False)
-        out = await self.collect(job, request)
-        return {"id": "cmpl-" + job.id, "object": "text_completion", "created": int(time.time()),
+            return self.respond(jobs, req, request, chat=False)
+        outs = await self.collect(jobs, request)
+        return {"id": "cmpl-" + jobs[0].id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": 0, "text": out["text"], "logprobs": None,
-                             "finish_reason": out["finish_reason"]}],
-                "usage": out["usage"], "medusa_lite": out["medusa_lite"]}
+                "choices": [{"index": i, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
+                            for i, out in enumerate(outs)],
+                "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A completion request's prompt (a string, a list of one string, or token ids) as token ids."""
@@ -260,12 +276,19 @@ class Api:
                      "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
                     for m in req.messages]
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = self.admit(req, self.engine.chat_prompt(messages), requested, "messages")
+        jobs = self.admit(req, self.engine.chat_prompt(messages), requested, "messages")
         if req.stream:
-            return self.respond(job, req, request, chat=True)
-        out = await self.collect(job, request)
-        return {"id": "chatcmpl-" + job.id, "object": "chat.completion", "created": int(time.time()),
+            return self.respond(jobs, req, request, chat=True)
+        outs = await self.collect(jobs, request)
+        return {"id": "chatcmpl-" + jobs[0].id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                             "logprobs": None, "finish_reason": out["finish_reason"]}],
-                "usage": out["usage"], "medusa_lite": out["medusa_lite"]}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": out["text"]},
+                             "logprobs": None, "finish_reason": out["finish_reason"]} for i, out in enumerate(outs)],
+                "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
+
+
+def _usage(outs: list[dict]) -> dict:
+    """OpenAI usage of a request's completions: the prompt counted once, every completion's tokens."""
+    prompt = outs[0]["usage"]["prompt_tokens"]
+    completion = sum(out["usage"]["completion_tokens"] for out in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

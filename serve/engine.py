@@ -31,7 +31,8 @@ class Cancelled(Exception):
 
 @dataclass(eq=False)  # identity semantics: jobs are found in the queue by identity
 class Job:
-    """One admitted request; the worker reports to ``events`` (an asyncio queue) via ``emit``."""
+    """One completion of an admitted request (a request with ``n`` > 1 is ``n`` jobs); the worker reports to
+    ``events`` (an asyncio queue of (index, kind, payload)) via ``emit``."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -45,10 +46,11 @@ class Job:
     first_token: float | None = None
     seq: Any = None          # its row in the running batch (medusa_lite.decode.Sequence), once admitted
     detok: Any = None
+    index: int = 0           # its choice among the request's ``n`` (which share ``events``)
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, payload))
         except RuntimeError:  # the event loop is closed: the server is gone, nobody listens
             pass
 

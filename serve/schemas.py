@@ -80,16 +80,20 @@ class ChatRequest(Common):
     tools: list | None = None
 
 
+MAX_N = 16  # completions per request (each a row of the batch)
+
+
 def _check_unsupported(req: Common) -> None:
     """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name in ("n", "best_of", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo",
+    for name in ("best_of", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo",
                  "suffix", "top_logprobs", "tools"):
         value = getattr(req, name, None)
-        neutral = value is None or (value == 1 if name in ("n", "best_of") else not value)
+        neutral = value is None or (value == 1 if name == "best_of" else not value)
         if not neutral:
-            what = "n must be 1: one completion per request" if name == "n" else f"{name}={value!r} is not supported"
-            raise APIError(400, f"{what} (medusa_lite serves one completion per request, greedy or sampling)",
-                           param=name, code="unsupported_parameter")
+            raise APIError(400, f"{name}={value!r} is not supported (medusa_lite serves greedy or sampled "
+                                "completions, exactly the target's)", param=name, code="unsupported_parameter")
+    if (req.n or 1) > MAX_N:
+        raise APIError(400, f"n={req.n}: at most {MAX_N} completions per request", param="n", code="invalid_value")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
@@ -148,8 +152,9 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json")
 
 
-def sampling_kwargs(req: Common, device: torch.device) -> dict[str, Any]:
-    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's)."""
+def sampling_kwargs(req: Common, device: torch.device, index: int = 0) -> dict[str, Any]:
+    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's).
+    ``index``: which of the request's ``n`` completions (with a ``seed``, completion i draws from seed + i)."""
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature == 0:
         return {"do_sample": False}
@@ -157,5 +162,5 @@ def sampling_kwargs(req: Common, device: torch.device) -> dict[str, Any]:
                               "top_p": 1.0 if req.top_p is None else req.top_p,
                               "top_k": 0 if req.top_k in (None, -1) else req.top_k}
     if req.seed is not None:
-        kwargs["generator"] = torch.Generator(device=device).manual_seed(req.seed)
+        kwargs["generator"] = torch.Generator(device=device).manual_seed(req.seed + index)
     return kwargs

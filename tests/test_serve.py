@@ -158,6 +158,29 @@ def test_chat_streamed_equals_plain_equals_generate(tiny, client):
     assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
 
 
+def test_n_completions_are_rows_with_their_own_seeds(tiny, client):
+    """n > 1: n rows of the batch; greedy ones all equal generate's output, sampled ones with a seed are exactly the
+    completions of n = 1 requests seeded seed, seed + 1, ...; streamed choices carry their index; usage sums."""
+    _, _, _, tok = tiny
+    messages = [{"role": "user", "content": "Count to five"}]
+    want, new, _ = reference(tiny, chat_ids(tok, messages), 12)
+    greedy = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert all(c.message.content == want for c in greedy.choices)
+    assert greedy.usage.completion_tokens == 3 * len(new) and greedy.usage.prompt_tokens == len(chat_ids(tok, messages))
+    sampled = client.completions.create(model="target", prompt="Once upon", max_tokens=10, seed=7, n=2)
+    solo = [client.completions.create(model="target", prompt="Once upon", max_tokens=10, seed=7 + i).choices[0].text
+            for i in range(2)]
+    assert [c.text for c in sampled.choices] == solo
+    chunks = list(client.completions.create(model="target", prompt="Once upon", max_tokens=10, seed=7, n=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    texts = ["", ""]
+    for c in chunks[:-1]:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == solo and chunks[-1].usage.completion_tokens == sampled.usage.completion_tokens
+    assert sum(1 for c in chunks[:-1] if c.choices[0].finish_reason) == 2
+
+
 def test_raw_sse_format(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -251,7 +274,8 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", {"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
