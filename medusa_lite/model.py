@@ -19,6 +19,7 @@ from .heads_io import HeadsMismatchError, check_fingerprint, load_config, load_w
 from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree, tree_key
 
+
 class MedusaModel(nn.Module):
     """Frozen target (``base_model``) + a registered drafter (``drafter``, :mod:`medusa_lite.drafters`): loads,
     saves, fits the tree to the machine and generates; the drafter drafts, trains and exports.
@@ -178,9 +179,15 @@ class MedusaModel(nn.Module):
         return self.fits.batch_guards(sample, fit)
 
     # ------------------------------------------------------------------ generate
-    def sequence(
+    def sequence(self, prompt: torch.Tensor, generation_config: GenerationConfig | None = None, **kwargs) -> Sequence:
+        """One prompt ([L] long, no padding) made ready to decode in a :class:`~medusa_lite.decode.SpeculativeBatch`
+        (the server's continuous batching): :meth:`sequences` of one prompt, one sequence."""
+        kwargs.pop("num_return_sequences", None)
+        return self.sequences([prompt], generation_config, **kwargs)[0]
+
+    def sequences(
         self,
-        prompt: torch.Tensor,
+        prompts: list[torch.Tensor],
         generation_config: GenerationConfig | None = None,
         *,
         streamer=None,
@@ -192,11 +199,25 @@ class MedusaModel(nn.Module):
         sampled_drafts: bool = True,
         tag: Any = None,
         **kwargs,
-    ) -> Sequence:
-        """One prompt ([L] long, no padding) made ready to decode in a :class:`~medusa_lite.decode.SpeculativeBatch`
-        (what :meth:`generate` runs, and the server's continuous batching): its generation config checked, its
-        stopping criteria, its plan (the fitted tree, or ``tree``) and its plan for batched steps.
+    ) -> list[Sequence]:
+        """Prompts ([L] long each, no padding) made ready to decode in a :class:`~medusa_lite.decode.SpeculativeBatch`
+        (what :meth:`generate` runs): one generation config for all, checked once; per prompt
+        ``num_return_sequences`` sequences in a row (which ``run_batch`` prefills once), each with its stopping
+        criteria, its plan (the fitted tree, or ``tree``) and its plan for batched steps.
         Arguments as :meth:`generate`; ``ValueError`` for anything medusa_lite cannot honour exactly."""
+        config = self.prepare_config(generation_config, **kwargs)
+        copies = config.num_return_sequences or 1
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError("streamers support batch size 1 only (as transformers' streamers)")
+        if streamer is not None and copies > 1:
+            raise ValueError("streamers support one sequence only (num_return_sequences=1)")
+        options = dict(streamer=streamer, stopping_criteria=stopping_criteria, tokenizer=tokenizer, tree=tree,
+                       fit=fit, generator=generator, sampled_drafts=sampled_drafts, tag=tag)
+        return [self._sequence(prompt, config, **options) for prompt in prompts for _ in range(copies)]
+
+    def prepare_config(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
+        """transformers' generation config for these arguments (the target's defaults under them), checked:
+        ``ValueError`` for anything medusa_lite cannot honour exactly."""
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
         unused.pop("use_cache", None)
         if unused:
@@ -205,6 +226,11 @@ class MedusaModel(nn.Module):
         if (config.num_return_sequences or 1) > 1 and not config.do_sample:
             raise ValueError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True (greedy decoding "
                              "returns one sequence per prompt, as in transformers)")
+        return config
+
+    def _sequence(self, prompt: torch.Tensor, config: GenerationConfig, *, streamer=None, stopping_criteria=None,
+                  tokenizer=None, tree=None, fit=None, generator=None, sampled_drafts=True, tag=None) -> Sequence:
+        """One of :meth:`sequences` (``config`` is shared by all of them: read, never written)."""
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.numel()
         if max_new is None or max_new < 1:
             raise ValueError(f"nothing to generate: max_new_tokens={max_new}")
@@ -258,27 +284,20 @@ class MedusaModel(nn.Module):
         Batches: left-padded ``input_ids`` with their ``attention_mask``, as transformers takes them; every row is
         verified in the same forward and stops on its own (its output equals its batch-1 output; rows that
         finish first are padded with ``pad_token_id`` on the right). Models with sliding-window layers decode
-        the rows one after another.
+        the rows one after another (samples of one prompt still share its prefill: a copy of its cache each).
         When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
         accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
         Without ``tree``, the tree is the one fitted to this machine per context length (heads with an
         acceptance table, :meth:`fit_hardware`), and an online guard shrinks it, down to no tree, while it does
         not pay (``last_stats.fitted``); with several rows it is the tree the latency model prices best for
         that many rows. ``fit=False``, or ``MEDUSA_LITE_FIT=0`` unless ``fit=True``: the heads' stored tree.
-        Other keyword arguments: :meth:`sequence`.
+        Other keyword arguments: :meth:`sequences`.
         """
         prompts = _prompts(input_ids, attention_mask)
-        if streamer is not None and len(prompts) > 1:
-            raise ValueError("streamers support batch size 1 only (as transformers' streamers)")
-        first = self.sequence(prompts[0], generation_config, streamer=streamer, **kwargs)
-        copies = first.config.num_return_sequences or 1
-        if copies > 1 and streamer is not None:
-            raise ValueError("streamers support one sequence only (num_return_sequences=1)")
         # consecutive samples of each prompt, as transformers orders them; they share its prefill
-        seqs = [first] + [self.sequence(p, generation_config, **kwargs)
-                          for b, p in enumerate(prompts) for c in range(copies) if b or c]
-        if copies > 1:
-            input_ids = input_ids.repeat_interleave(copies, dim=0)
+        seqs = self.sequences(prompts, generation_config, streamer=streamer, **kwargs)
+        if len(seqs) > len(prompts):
+            input_ids = input_ids.repeat_interleave(len(seqs) // len(prompts), dim=0)
         sample = seqs[0].config.do_sample
         if streamer is not None:
             streamer.put(input_ids.cpu())

@@ -98,3 +98,9 @@ def tiny_tokenizer(vocab: int = 128):
     fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}<assistant>{% endif %}")
     return fast
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tests (Monte Carlo runs, the default model) first: two workers that steal work end on short tests
+    instead of one of them starting a five-minute case last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

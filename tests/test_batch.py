@@ -182,8 +182,7 @@ def _batch_samples(model, n: int, seed: int = 0, **gen) -> list[tuple[int, ...]]
     other = torch.tensor([3, 1, 4])
     samples = []
     while len(samples) < n:
-        seqs = [model.sequence(PROMPT[0], max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)
-                for _ in range(13)]
+        seqs = model.sequences([PROMPT[0]] * 13, max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)
         early = model.sequence(other, max_new_tokens=2, do_sample=True, eos_token_id=None, **gen)
         batch = model.decoder(sample=True, max_step_tokens=40)
         batch.add_group(seqs[:12])

@@ -96,10 +96,13 @@ def _support(exact: dict) -> int:
     return sum(1 for p in exact.values() if p > 0)
 
 
-BATCH_ROWS = 250  # samples drawn per generate call by the cases not marked SOLO (rows of one batch)
-SOLO = {"T1", "T1-hydra-adaptive", "T1-sliding-gemma2", "T1-moe-mixtral"}  # the batch-1 path (sliding: always)
+# samples drawn per generate call (num_return_sequences): rows of one batch verified together, sharing the prompt's
+# prefill; on the sliding-window models (MATRIX) rows decode one after another, so those cases test the batch-1 path
+BATCH_ROWS = 250
 
 
+# EAGLE-3 (drafts drawn from its own layer, its own KV cache rows joining and leaving) is tests/test_batch.py's
+# batched case: a superset of the num_return_sequences batch this file would draw
 @pytest.mark.slow
 @pytest.mark.parametrize("gen, heads", [
     ({"temperature": 1.0, "top_k": 0}, "medusa"),
@@ -110,16 +113,15 @@ SOLO = {"T1", "T1-hydra-adaptive", "T1-sliding-gemma2", "T1-moe-mixtral"}  # the
     ({"temperature": 1.0, "top_k": 0}, "hydra-dynamic"),  # a tree chosen anew every step
     ({"temperature": 1.0, "top_k": 0}, "lookup"),  # + a prompt-lookup branch merged into the tree
     ({"temperature": 1.0, "top_k": 0, "sampled_drafts": False}, "hydra"),  # the heads' top ranks, one-hot proposals
-    ({"temperature": 1.0, "top_k": 0}, "hydra-adaptive"),  # a fitted ladder whose guard moves every step
-    ({"temperature": 1.0, "top_k": 0}, "sliding"),  # Gemma 2: alternating full + sliding (window 2) layers
-    ({"temperature": 1.0, "top_k": 0}, "moe"),  # Mixtral: experts and a sliding window of 3
-    ({"temperature": 1.0, "top_k": 0}, "eagle3"),  # EAGLE-3: drafts drawn from its own layer, its own KV cache
+    # batch-1 path, Gemma 2 (alternating full + sliding layers, window 2): a fitted ladder whose guard moves every step
+    ({"temperature": 1.0, "top_k": 0}, "hydra-adaptive-sliding"),
+    ({"temperature": 1.0, "top_k": 0}, "moe"),  # batch-1 path, Mixtral: experts and a sliding window of 3
 ], ids=["T1", "T0.7", "topk3", "topp0.8", "T1-hydra", "T1-hydra-dynamic", "T1-lookup", "T1-hydra-top-ranks",
-        "T1-hydra-adaptive", "T1-sliding-gemma2", "T1-moe-mixtral", "T1-eagle3"])
-def test_sampling_matches_target_distribution(gen, heads, request):
+        "T1-hydra-adaptive-sliding-gemma2", "T1-moe-mixtral"])
+def test_sampling_matches_target_distribution(gen, heads):
     dynamic = {"dynamic": {"nodes": 5, "depth": 2, "topk": 3, "expand": 2}}
-    if heads == "hydra-adaptive":  # the tree changes between steps (never within one): still exact
-        model = make_model("hydra")
+    if heads == "hydra-adaptive-sliding":  # the tree changes between steps (never within one): still exact
+        model = make_model("hydra", arch="sliding")
         trees = [TREE, dynamic, {"tree": TREE, "prompt_lookup": 3, "ngram": 1}, [[0]], []]
         model.use_fit(restless_fit(trees), sample=True, guard=CyclingGuard)
     elif heads == "hydra-dynamic":
@@ -131,8 +133,7 @@ def test_sampling_matches_target_distribution(gen, heads, request):
     else:
         model = make_model(heads)
     exact = exact_distribution(model, **gen)
-    solo = request.node.callspec.id in SOLO
-    counts = sample_counts(model, N_SAMPLES, rows=1 if solo else BATCH_ROWS, **gen)
+    counts = sample_counts(model, N_SAMPLES, rows=BATCH_ROWS, **gen)
     tv = tv_distance(exact, counts, N_SAMPLES)
     bound = tv_bound(_support(exact), N_SAMPLES)
     print(f"\n{gen}: TV {tv:.4f}, bound {bound:.4f}, n {N_SAMPLES}, outcomes {_support(exact)}")

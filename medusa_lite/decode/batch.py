@@ -9,6 +9,7 @@ token (the choice at the last accepted node) becomes the next root. Many rows st
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable
 
@@ -63,17 +64,24 @@ class SpeculativeBatch:
         return self.add_group([seq])[0]
 
     @torch.no_grad()
-    def add_group(self, seqs: list[Sequence]) -> list[bool]:
+    def prefill(self, prompt: torch.Tensor) -> tuple:
+        """The prompt's forward into a fresh cache: (output, cache, seconds), for :meth:`add_group`'s ``prefilled``."""
+        cache = new_cache(self.target)
+        out, seconds = prefill(self.target, prompt, {self.cache_key: cache})
+        return out, cache, seconds
+
+    @torch.no_grad()
+    def add_group(self, seqs: list[Sequence], prefilled: tuple | None = None) -> list[bool]:
         """Sequences with one and the same prompt (e.g. ``num_return_sequences`` samples of it) share one prefill
         forward: each chooses its first token from the prompt's logits (its own draw when sampling), and the
-        prompt's cache row is copied for each. Per sequence: whether it joined (False: finished already)."""
+        prompt's cache row is copied for each. ``prefilled``: the prompt's :meth:`prefill`, done already (its
+        cache is taken over). Per sequence: whether it joined (False: finished already)."""
         prompt = seqs[0].prompt
         if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
             raise ValueError("add_group: the sequences' prompts differ")
-        cache = new_cache(self.target)
         if (self.rows or len(seqs) > 1) and not self.batchable:
-            check_batchable(cache)  # raises, naming why
-        out, seconds = prefill(self.target, prompt, {self.cache_key: cache})
+            check_batchable(new_cache(self.target))  # raises, naming why
+        out, cache, seconds = prefilled if prefilled is not None else self.prefill(prompt)
         staying = []
         for seq in seqs:
             seq.stats.prefill_time = seconds
@@ -199,12 +207,16 @@ class SpeculativeBatch:
 
 
 def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
-    """Decode every sequence to its end: all in one batch (consecutive sequences with the same prompt share its
-    prefill), or one after another where the model cannot batch (sliding-window layers,
-    :func:`~medusa_lite.kv.check_batchable`)."""
-    if not batch.batchable:
+    """Decode every sequence to its end: all in one batch, or one after another where the model cannot batch
+    (sliding-window layers, :func:`~medusa_lite.kv.check_batchable`); either way consecutive sequences with the
+    same prompt share its prefill (one after another: a copy of its cache each)."""
+    if not batch.batchable:  # one after another; consecutive sequences with the same prompt share its prefill
+        shared = None
         for seq in seqs:
-            batch.add(seq)
+            if shared is None or not torch.equal(seq.prompt, shared[0]):
+                shared = (seq.prompt, *batch.prefill(seq.prompt))
+            out, cache, seconds = shared[1:]
+            batch.add_group([seq], prefilled=(out, copy.deepcopy(cache), seconds))
             while batch.rows:
                 batch.step()
         return

@@ -10,6 +10,7 @@ verified alone (the *step report*: tokens emitted, wall seconds), and ``report()
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Protocol
 
 import torch
@@ -30,20 +31,27 @@ class BatchPlanner(Protocol):
     def record(self, batch: int, tokens: int, seconds: float) -> None: ...
 
 
+def shared_buffers(choices: list[list[int]], device: torch.device | str) -> TreeBuffers:
+    """The buffers of ``choices`` on ``device``, built once per process and shared by every plan (read only)."""
+    return _buffers(tuple(map(tuple, choices)), str(device))
+
+
+@lru_cache(maxsize=512)
+def _buffers(choices: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
+    return build_buffers([list(p) for p in choices], device)
+
+
 class StaticTree:
     """A :data:`Plan` over one fixed tree; buffers per depth cap are built once (near ``max_new_tokens`` or
     the context end, shallower trees). ``sampler``: the drafter draws the tokens instead of ranking them."""
 
     def __init__(self, drafter: Drafter, choices: list[list[int]], device: torch.device, sampler=None):
         self.drafter, self.choices, self.device, self.sampler = drafter, choices, device, sampler
-        self.full = build_buffers(choices, device)
-        self._by_depth: dict[int, TreeBuffers] = {self.full.depth: self.full}
+        self.full = shared_buffers(choices, device)
 
     def get(self, max_depth: int) -> TreeBuffers:
         depth = max(0, min(max_depth, self.full.depth))
-        if depth not in self._by_depth:
-            self._by_depth[depth] = build_buffers(truncate(self.choices, depth), self.device)
-        return self._by_depth[depth]
+        return self.full if depth == self.full.depth else shared_buffers(truncate(self.choices, depth), self.device)
 
     def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
         return self.drafter.propose(state, self.get(max_depth), max_depth, self.sampler)
