@@ -113,3 +113,31 @@ def test_distill_drops_a_last_line_cut_off_by_an_interrupted_write(tmp_path):
     assert answered_indices(out) == {3, 5}
     assert out.read_text().endswith("}\n")
     assert answered_indices(tmp_path / "none.jsonl") == set()
+
+
+def test_an_interrupted_data_run_commits_what_it_answered(material, tmp_path, monkeypatch):
+    """SIGTERM (raised as KeyboardInterrupt) mid-chunk: the batches written are compressed into the chunk and the
+    ledger says so; the next run goes on from there."""
+    from medusa_lite.train import distill_data
+
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "campaign"
+    common = [f"--root={root}", f"--target={material['target']}", f"--prompts={material['data']}",
+              "--eval-start=60", "--batch-size=2", "--chunk=8"]
+    real, calls = distill_data.answer_batch, []
+
+    def answer_then_interrupt(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(distill_data, "answer_batch", answer_then_interrupt)
+    campaign(["data", *common, "--minutes=10"])
+    entry = json.loads((root / "ledger.json").read_text())["data"][0]
+    assert (entry["records"], entry["complete"], len(calls)) == (2, False, 2)
+    assert len(gzip.decompress((root / entry["file"]).read_bytes()).splitlines()) == 2
+    monkeypatch.setattr(distill_data, "answer_batch", real)
+    campaign(["data", *common, "--minutes=10", "--max-chunks=1"])
+    entry = json.loads((root / "ledger.json").read_text())["data"][0]
+    assert entry["complete"] and entry["records"] > 2

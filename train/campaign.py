@@ -27,6 +27,7 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from medusa_lite.settings import Names, SettingsParser, option
 
 LEDGER = "ledger.json"
 STAGES = ("status", "data", "eval", "train")
-DEFAULT_POSITIONS_PER_S = 100  # EAGLE-3 on one AMD EPYC (AVX2) core, fp32: 115 with cached features; later runs use their predecessor's speed
+DEFAULT_POSITIONS_PER_S = 80  # EAGLE-3, one AMD EPYC (AVX2) core, fp32, no feature cache; then the last run's speed
 
 
 @dataclass
@@ -113,8 +114,9 @@ def new_entry(file: str, skip_prompts: int, num_prompts: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- data
-def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: float, scratch: Path) -> None:
-    """Answer (the rest of) ``entry``'s prompts for at most ``minutes``; the chunk file is rewritten compressed."""
+def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: float, scratch: Path) -> bool:
+    """Answer (the rest of) ``entry``'s prompts for at most ``minutes``; the chunk file is rewritten compressed.
+    Returns whether the run was interrupted (what it answered is kept all the same)."""
     from medusa_lite.machine import hardware_summary
     from medusa_lite.train import distill_data
 
@@ -141,19 +143,30 @@ def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: floa
     entry["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
                           "answer_tokens": result["answer_tokens"], "seconds": result["seconds"],
                           "tokens_per_s": round(result["answer_tokens"] / max(result["seconds"], 1e-9), 1)})
+    return result.get("interrupted", False)
 
 
 def run_data(root: Path, ledger: dict, args: CampaignSettings) -> None:
-    """Chunk after chunk until ``--minutes`` are spent (the last one stops after the batch that reaches them)."""
+    """Chunk after chunk until ``--minutes`` are spent (the last one stops after the batch that reaches them). A
+    SIGTERM or Ctrl-C stops it too, with the chunk's answered batches committed and in the ledger."""
     deadline, chunks = time.time() + 60 * args.minutes, 0
-    while args.max_chunks is None or chunks < args.max_chunks:
-        chunks += 1
-        entry = next_chunk(ledger, args.chunk)
-        distill_chunk(root, entry, args, max(deadline - time.time(), 0) / 60, Path("runs/campaign/data"))
-        save_ledger(root, ledger)
-        print(f"campaign: {entry['file']}: {entry['records']} records, complete={entry['complete']}", flush=True)
-        if time.time() >= deadline:
-            return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        while args.max_chunks is None or chunks < args.max_chunks:
+            chunks += 1
+            entry = next_chunk(ledger, args.chunk)
+            interrupted = distill_chunk(root, entry, args, max(deadline - time.time(), 0) / 60,
+                                        Path("runs/campaign/data"))
+            save_ledger(root, ledger)
+            print(f"campaign: {entry['file']}: {entry['records']} records, complete={entry['complete']}", flush=True)
+            if interrupted or time.time() >= deadline:
+                return
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def run_eval(root: Path, ledger: dict, args: CampaignSettings) -> None:

@@ -162,7 +162,8 @@ def answer_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int
 
 
 def main(argv=None) -> dict:
-    """Answers the prompts not yet in ``--out``; returns ``{answered, answer_tokens, seconds, complete}``."""
+    """Answers the prompts not yet in ``--out``; returns ``{answered, answer_tokens, seconds, complete, interrupted}``
+    (``KeyboardInterrupt`` stops it after the batches written so far)."""
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -183,24 +184,35 @@ def main(argv=None) -> dict:
     todo = sorted(((i, kind, chat) for i, kind, chat in prompts if i not in done and lengths[i] <= args.max_prompt_tokens),
                   key=lambda it: lengths[it[0]])
     print(f"distill: {len(todo)} prompts to answer ({len(done)} already in {out})", flush=True)
-    t0, new_tokens, answered = time.time(), 0, 0
+    t0, new_tokens, answered, interrupted = time.time(), 0, 0, False
     with out.open("a") as f:
-        for b in range(0, len(todo), args.batch_size):
-            batch = todo[b: b + args.batch_size]
-            answers = answer_batch(target, tokenizer, [chat for _, _, chat in batch], args.max_new_tokens)
-            for (i, kind, chat), answer in zip(batch, answers):
-                new_tokens += len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-                f.write(json.dumps({"messages": [*chat, {"role": "assistant", "content": answer}],
-                                    "source_index": i, "kind": kind}) + "\n")
-            f.flush()
-            answered += len(batch)
-            print(f"distill: {b + len(batch)}/{len(todo)} prompts, {new_tokens} answer tokens, "
-                  f"{new_tokens / (time.time() - t0):.0f} tok/s", flush=True)
-            if args.time_limit_minutes is not None and time.time() - t0 > 60 * args.time_limit_minutes:
-                print(f"distill: time limit of {args.time_limit_minutes} min reached; rerun to continue", flush=True)
-                break
+        try:
+            for b in range(0, len(todo), args.batch_size):
+                batch = todo[b: b + args.batch_size]
+                new_tokens += write_answers(f, batch, answer_batch(target, tokenizer, [chat for _, _, chat in batch],
+                                                                   args.max_new_tokens), tokenizer)
+                answered += len(batch)
+                print(f"distill: {b + len(batch)}/{len(todo)} prompts, {new_tokens} answer tokens, "
+                      f"{new_tokens / (time.time() - t0):.0f} tok/s", flush=True)
+                if args.time_limit_minutes is not None and time.time() - t0 > 60 * args.time_limit_minutes:
+                    print(f"distill: time limit of {args.time_limit_minutes} min reached; rerun to continue", flush=True)
+                    break
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under `campaign data`: every batch written so far stays
+            interrupted = True
+            print(f"distill: interrupted after {answered} prompts; rerun to continue", flush=True)
     return {"answered": answered, "answer_tokens": new_tokens, "seconds": round(time.time() - t0, 1),
-            "complete": answered == len(todo)}
+            "complete": answered == len(todo), "interrupted": interrupted}
+
+
+def write_answers(f, batch: list, answers: list[str], tokenizer) -> int:
+    """Append one record per (prompt, answer) to ``f`` and flush; returns the answers' tokens."""
+    tokens = 0
+    for (i, kind, chat), answer in zip(batch, answers):
+        tokens += len(tokenizer(answer, add_special_tokens=False)["input_ids"])
+        f.write(json.dumps({"messages": [*chat, {"role": "assistant", "content": answer}],
+                            "source_index": i, "kind": kind}) + "\n")
+    f.flush()
+    return tokens
 
 
 if __name__ == "__main__":
