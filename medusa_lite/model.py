@@ -198,13 +198,16 @@ class MedusaModel(nn.Module):
         generator: torch.Generator | None = None,
         sampled_drafts: bool = True,
         tag: Any = None,
+        logprobs: int | None = None,
         **kwargs,
     ) -> list[Sequence]:
         """Prompts ([L] long each, no padding) made ready to decode in a :class:`~medusa_lite.decode.SpeculativeBatch`
         (what :meth:`generate` runs): one generation config for all, checked once; per prompt
         ``num_return_sequences`` sequences in a row (which ``run_batch`` prefills once), each with its stopping
         criteria, its plan (the fitted tree, or ``tree``) and its plan for batched steps.
-        Arguments as :meth:`generate`; ``ValueError`` for anything medusa_lite cannot honour exactly."""
+        ``logprobs=k``: each sequence records its tokens' log-probabilities under the target and the k likeliest
+        (``Sequence.token_logprobs``). Other arguments as :meth:`generate`; ``ValueError`` for anything
+        medusa_lite cannot honour exactly."""
         config = self.prepare_config(generation_config, **kwargs)
         copies = config.num_return_sequences or 1
         if streamer is not None and len(prompts) > 1:
@@ -212,7 +215,7 @@ class MedusaModel(nn.Module):
         if streamer is not None and copies > 1:
             raise ValueError("streamers support one sequence only (num_return_sequences=1)")
         options = dict(streamer=streamer, stopping_criteria=stopping_criteria, tokenizer=tokenizer, tree=tree,
-                       fit=fit, generator=generator, sampled_drafts=sampled_drafts, tag=tag)
+                       fit=fit, generator=generator, sampled_drafts=sampled_drafts, tag=tag, logprobs=logprobs)
         return [self._sequence(prompt, config, **options) for prompt in prompts for _ in range(copies)]
 
     def prepare_config(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
@@ -229,7 +232,8 @@ class MedusaModel(nn.Module):
         return config
 
     def _sequence(self, prompt: torch.Tensor, config: GenerationConfig, *, streamer=None, stopping_criteria=None,
-                  tokenizer=None, tree=None, fit=None, generator=None, sampled_drafts=True, tag=None) -> Sequence:
+                  tokenizer=None, tree=None, fit=None, generator=None, sampled_drafts=True, tag=None,
+                  logprobs=None) -> Sequence:
         """One of :meth:`sequences` (``config`` is shared by all of them: read, never written)."""
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.numel()
         if max_new is None or max_new < 1:
@@ -254,7 +258,8 @@ class MedusaModel(nn.Module):
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
             plan = self.plan(tree, sampler)
         on_step = plan.record if isinstance(plan, FittedPlan) else None
-        return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag)
+        return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag,
+                        logprobs=logprobs)
 
     def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None) -> SpeculativeBatch:
         """An empty :class:`~medusa_lite.decode.SpeculativeBatch` on this model: its fitted verify kernels, and the

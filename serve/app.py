@@ -16,7 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job
 from .metrics import Metrics
-from .schemas import APIError, ChatRequest, Common, CompletionRequest, parse_request, read_json, sampling_kwargs
+from .schemas import (APIError, ChatRequest, Common, CompletionRequest, parse_request, read_json, requested_logprobs,
+                      sampling_kwargs)
 
 log = logging.getLogger("medusa_lite.serve")
 
@@ -181,7 +182,7 @@ class Api:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         jobs = [Job(prompt_ids, max_tokens, sampling_kwargs(req, self.engine.model.device, i), stop, loop,
-                    events=events, index=i) for i in range(req.n or 1)]
+                    events=events, index=i, logprobs=requested_logprobs(req)) for i in range(req.n or 1)]
         try:
             for job in jobs:
                 self.engine.submit(job)
@@ -209,12 +210,15 @@ class Api:
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, **fields) -> str:
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None,
+                  **fields) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": openai_logprobs(logprobs, chat),
+                          "finish_reason": finish}
             else:
-                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": openai_logprobs(logprobs, chat),
+                          "finish_reason": finish}
             return sse({**base, "choices": [choice], **extra, **fields})
 
         if chat:
@@ -223,8 +227,8 @@ class Api:
         done = []
         async for index, kind, payload in _events(jobs, self.engine, request):
             if kind == "delta":
-                if payload[0]:
-                    yield chunk(index, payload[0], None)
+                if payload[0] or payload[2]:
+                    yield chunk(index, payload[0], None, logprobs=payload[2])
             elif kind == "error":
                 yield sse(payload.body())
                 break
@@ -250,8 +254,8 @@ class Api:
         outs = await self.collect(jobs, request)
         return {"id": "cmpl-" + jobs[0].id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": i, "text": out["text"], "logprobs": None, "finish_reason": out["finish_reason"]}
-                            for i, out in enumerate(outs)],
+                "choices": [{"index": i, "text": out["text"], "logprobs": openai_logprobs(out["logprobs"], False),
+                             "finish_reason": out["finish_reason"]} for i, out in enumerate(outs)],
                 "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
 
     def _prompt_ids(self, prompt) -> list[int]:
@@ -283,8 +287,25 @@ class Api:
         return {"id": "chatcmpl-" + jobs[0].id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": out["text"]},
-                             "logprobs": None, "finish_reason": out["finish_reason"]} for i, out in enumerate(outs)],
+                             "logprobs": openai_logprobs(out["logprobs"], True), "finish_reason": out["finish_reason"]}
+                            for i, out in enumerate(outs)],
                 "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
+
+
+def openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
+    """Engine log-prob entries (:meth:`Detokenizer.logprobs`) in OpenAI's shape: chat ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs"}]}``; completions ``{"tokens", "token_logprobs", "top_logprobs",
+    "text_offset"}`` (offsets within this choice's text as its tokens spell it)."""
+    if entries is None:
+        return None
+    if chat:
+        return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                             "top_logprobs": e["top"]} for e in entries], "refusal": None}
+    offsets = [0]
+    for e in entries[:-1]:
+        offsets.append(offsets[-1] + len(e["token"]))
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries], "text_offset": offsets}
 
 
 def _usage(outs: list[dict]) -> dict:

@@ -47,6 +47,7 @@ class Job:
     seq: Any = None          # its row in the running batch (medusa_lite.decode.Sequence), once admitted
     detok: Any = None
     index: int = 0           # its choice among the request's ``n`` (which share ``events``)
+    logprobs: int | None = None  # report tokens' log-probs with this many alternatives (None: none)
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -87,6 +88,16 @@ class Detokenizer:
         text, stopped = self._text()
         return self._advance(text), stopped
 
+    def logprobs(self, ids: list[int], entries: list) -> list[dict]:
+        """Tokens with their log-probs (``Sequence.token_logprobs`` entries) as
+        ``{"token", "bytes", "logprob", "top": [{"token", "bytes", "logprob"}]}``, each token's own text."""
+        with self.lock:
+            def piece(i: int, lp: float) -> dict:
+                text = self.tok.decode([i])
+                return {"token": text, "bytes": list(text.encode()), "logprob": lp}
+
+            return [{**piece(i, lp), "top": [piece(t, v) for t, v in top]} for i, (lp, top) in zip(ids, entries)]
+
     def _advance(self, text: str) -> str:
         if len(text) <= len(self.sent) or not text.startswith(self.sent):
             return ""  # nothing new (or a tokenizer that re-spells earlier text: keep what was sent)
@@ -110,11 +121,13 @@ class _JobStreamer:
             raise Cancelled
         ids = value.reshape(-1).tolist()
         self.tokens += len(ids)
+        logprobs = self.detok.logprobs(ids, self.job.seq.token_logprobs[-len(ids):]) \
+            if self.job.logprobs is not None else None
         if self.job.first_token is None:
             self.job.first_token = time.perf_counter()
             self.metrics.ttft.observe(self.job.first_token - self.job.arrival)
         delta = self.detok.add(ids)
-        self.job.emit("delta", (delta, self.tokens))
+        self.job.emit("delta", (delta, self.tokens, logprobs))
 
     def end(self) -> None:
         pass
@@ -216,8 +229,8 @@ class Engine:
                 while self._pending and len(self.running) + len(joining) < self.max_batch_size:
                     joining.append(self._pending.popleft())
                 self.metrics.waiting.set(len(self._pending))
-            for job in joining:
-                self._join(job)
+            for request in _by_request(joining):
+                self._join(request)
             self._leave([job for job in self.running if job.cancel.is_set()], Cancelled())
             if self.batch.rows:
                 self.metrics.batch_size.observe(len(self.batch.rows))
@@ -231,8 +244,35 @@ class Engine:
                     self._finish(seq.tag)
             self.metrics.running.set(len(self.running))
 
-    def _join(self, job: Job) -> None:
-        """Prefill ``job`` and add it to the batch (or finish it: its first token was its last, or it is bad)."""
+    def _join(self, jobs: list[Job]) -> None:
+        """Prefill a request's jobs (its ``n`` completions share one prefill forward) and add them to the batch, or
+        finish those whose first token was their last, or fail those that are bad or cancelled."""
+        seqs = []
+        for job in jobs:
+            try:
+                if job.cancel.is_set():
+                    raise Cancelled
+                job.seq = self._sequence(job)
+                seqs.append(job.seq)
+            except Exception as e:  # noqa: BLE001 - reported to this request only
+                self._fail(job, e)
+        if not seqs:
+            return
+        try:
+            joined = self.batch.add_group(seqs)
+        except Exception as e:  # noqa: BLE001 - reported to this request only
+            for seq in seqs:
+                self._fail(seq.tag, e)
+            return
+        for seq, ok in zip(seqs, joined):
+            if ok:
+                with self._cond:
+                    self.running.append(seq.tag)
+            else:
+                self._finish(seq.tag)
+
+    def _sequence(self, job: Job):
+        """The job's row (:meth:`MedusaModel.sequence`), streaming into its detokenizer."""
         detok = Detokenizer(self.tok, self.tok_lock, job.stop)
         streamer = _JobStreamer(job, detok, self.metrics)
         streamer.prompt_seen = True  # the prompt is not streamed back
@@ -241,20 +281,9 @@ class Engine:
             with self.tok_lock:
                 kwargs["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tok, job.stop)])
         job.detok = detok
-        try:
-            if job.cancel.is_set():
-                raise Cancelled
-            ids = torch.tensor(job.prompt_ids, dtype=torch.long, device=self.model.device)
-            job.seq = self.model.sequence(ids, max_new_tokens=job.max_tokens, streamer=streamer, tag=job, **kwargs)
-            joined = self.batch.add(job.seq)
-        except Exception as e:  # noqa: BLE001 - reported to this request only
-            self._fail(job, e)
-            return
-        if joined:
-            with self._cond:
-                self.running.append(job)
-        else:
-            self._finish(job)
+        ids = torch.tensor(job.prompt_ids, dtype=torch.long, device=self.model.device)
+        return self.model.sequence(ids, max_new_tokens=job.max_tokens, streamer=streamer, tag=job,
+                                   logprobs=job.logprobs, **kwargs)
 
     def _leave(self, jobs: list[Job], error: BaseException) -> None:
         """Take ``jobs`` out of the batch now (cancelled, or their step failed) and report ``error`` to each."""
@@ -300,7 +329,19 @@ class Engine:
         m.generation_tokens.inc(len(new))
         m.record_spec(stats)
         m.record_fitted(stats, "sample" if job.gen_kwargs.get("do_sample") else "greedy")
-        job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent,
+        logprobs = detok.logprobs(new, seq.token_logprobs) if job.logprobs is not None else None
+        job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent, "logprobs": logprobs,
                           "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
                                     "total_tokens": len(job.prompt_ids) + len(new)},
                           "medusa_lite": speculative_stats(stats)})
+
+
+def _by_request(jobs: list[Job]) -> list[list[Job]]:
+    """Consecutive jobs of one request (its ``n`` completions share one events queue) grouped together."""
+    groups: list[list[Job]] = []
+    for job in jobs:
+        if groups and groups[-1][0].events is job.events:
+            groups[-1].append(job)
+        else:
+            groups.append([job])
+    return groups

@@ -85,13 +85,13 @@ MAX_N = 16  # completions per request (each a row of the batch)
 
 def _check_unsupported(req: Common) -> None:
     """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name in ("best_of", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "echo",
-                 "suffix", "top_logprobs", "tools"):
+    for name in ("best_of", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", "tools"):
         value = getattr(req, name, None)
         neutral = value is None or (value == 1 if name == "best_of" else not value)
         if not neutral:
             raise APIError(400, f"{name}={value!r} is not supported (medusa_lite serves greedy or sampled "
                                 "completions, exactly the target's)", param=name, code="unsupported_parameter")
+    requested_logprobs(req)  # 400 for a bad logprobs / top_logprobs
     if (req.n or 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per request", param="n", code="invalid_value")
     if req.stream_options is not None and not req.stream:
@@ -150,6 +150,28 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json")
     except RecursionError:  # json nests by recursion: a body nested thousands of levels deep
         raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json")
+
+
+def requested_logprobs(req: Common) -> int | None:
+    """How many likeliest alternatives to report with each token's log-probability, or None for no log-probs:
+    chat ``logprobs: true`` (+ ``top_logprobs`` 0..20), completions ``logprobs`` 0..5 (OpenAI's ranges)."""
+    top = getattr(req, "top_logprobs", None)
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is None:
+            return None
+        if isinstance(req.logprobs, bool) or not 0 <= req.logprobs <= 5:
+            raise APIError(400, "logprobs: an integer from 0 to 5", param="logprobs", code="invalid_value")
+        return req.logprobs
+    if top is not None and not 0 <= top <= 20:
+        raise APIError(400, "top_logprobs: an integer from 0 to 20", param="top_logprobs", code="invalid_value")
+    if req.logprobs is not None and not isinstance(req.logprobs, bool):
+        raise APIError(400, "logprobs: true or false (top_logprobs says how many alternatives)", param="logprobs",
+                       code="invalid_type")
+    if not req.logprobs:
+        if top:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        return None
+    return top or 0
 
 
 def sampling_kwargs(req: Common, device: torch.device, index: int = 0) -> dict[str, Any]:

@@ -252,3 +252,28 @@ def test_generate_batch_errors():
     with pytest.raises(ValueError, match="batch size 1"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=object())
     assert VOCAB == 5
+
+
+def test_token_logprobs_are_the_targets_own_in_every_row():
+    """``logprobs``: each emitted token's log-softmax under the target, whatever row and step verified it (sampled
+    rows sharing a prefill, a greedy row), with the likeliest alternatives."""
+    from medusa_lite.decode import run_batch
+
+    model = random_heads(MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=3, head_type="hydra")), std=0.5)
+    prompt = _prompts((7,))[0]
+    seqs = model.sequences([prompt], max_new_tokens=14, do_sample=True, num_return_sequences=3, eos_token_id=None,
+                           logprobs=2, generator=torch.Generator().manual_seed(0))
+    run_batch(model.decoder(sample=True), seqs)
+    greedy = model.sequences([prompt], max_new_tokens=14, do_sample=False, eos_token_id=None, logprobs=2)
+    run_batch(model.decoder(), greedy)
+    for seq in seqs + greedy:
+        new = seq.new_tokens
+        with torch.no_grad():
+            full = torch.log_softmax(model.base_model(seq.ids()[None]).logits[0].float(), -1)  # [L + n, V]
+        expected = full[prompt.numel() - 1: prompt.numel() - 1 + new.numel()]
+        assert len(seq.token_logprobs) == new.numel() == 14
+        got = torch.tensor([lp for lp, _ in seq.token_logprobs])
+        assert torch.allclose(got, expected.gather(-1, new[:, None])[:, 0], atol=1e-4)
+        assert all(top[0][1] == pytest.approx(float(expected[i].max()), abs=1e-4) and len(top) == 2
+                   for i, (_, top) in enumerate(seq.token_logprobs))
+    assert all(top[0][0] == int(t) for (_, top), t in zip(greedy[0].token_logprobs, greedy[0].new_tokens))

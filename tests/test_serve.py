@@ -181,6 +181,30 @@ def test_n_completions_are_rows_with_their_own_seeds(tiny, client):
     assert sum(1 for c in chunks[:-1] if c.choices[0].finish_reason) == 2
 
 
+def test_logprobs_are_the_targets_own(tiny, client):
+    """logprobs: each emitted token's log-probability under the target (raw logits, as vLLM reports them) and the
+    likeliest alternatives; greedy tokens are their own top alternative; streamed entries spell the text."""
+    _, _, model, tok = tiny
+    messages = [{"role": "user", "content": "Say hello"}]
+    ids = chat_ids(tok, messages)
+    want, new, _ = reference(tiny, ids, 12)
+    out = client.chat.completions.create(model="target", messages=messages, max_tokens=12, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(new) and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob for c in content)
+    with torch.no_grad():
+        full = torch.log_softmax(model.base_model(torch.tensor([ids + new])).logits[0].float(), -1)
+    expected = full[len(ids) - 1:-1].gather(-1, torch.tensor(new)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([c.logprob for c in content]), expected, atol=1e-4)
+    chunks = list(client.completions.create(model="target", prompt="Once upon", max_tokens=10, temperature=0,
+                                            logprobs=1, stream=True))
+    plain = client.completions.create(model="target", prompt="Once upon", max_tokens=10, temperature=0, logprobs=1)
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == plain.choices[0].logprobs.tokens and len(streamed) == plain.usage.completion_tokens
+    assert "".join(plain.choices[0].logprobs.tokens).strip() == plain.choices[0].text.strip()
+
+
 def test_raw_sse_format(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -276,7 +300,11 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),

@@ -88,7 +88,7 @@ class SpeculativeBatch:
             seq.stats.target_time += seconds
             seq.stats.target_forwards += 1
             seq.cache_len = prompt.numel()
-            seq.extend([int(seq.choose(out.logits[0, -1:])[0])])
+            seq.extend([int(seq.choose(out.logits[0, -1:])[0])], out.logits[0, -1:])
             if seq.done:
                 seq.finish()
             else:
@@ -128,7 +128,7 @@ class SpeculativeBatch:
             seq.stats.target_time += seconds
             seq.stats.target_forwards += 1
             record_step(seq.stats, nodes.numel() - 1, draft.buffers)
-            seq.extend(draft.tokens[nodes[1:]].tolist() + [int(root)])
+            seq.extend(draft.tokens[nodes[1:]].tolist() + [int(root)], out.logits[b, nodes])  # token i from node i
             if not seq.done:
                 staying.append(b)
         finished = [seq for seq in self.rows if seq.done]

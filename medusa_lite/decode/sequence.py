@@ -122,6 +122,7 @@ class Sequence:
     on_step: Callable[[int, float], None] | None = None
     plan_for: Callable[[object], Plan] | None = None
     tag: object = None                                       # the caller's handle (e.g. the server's request)
+    logprobs: int | None = None                              # record emitted tokens' log-probs (+ this many top ones)
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: BaseException | None = None                       # set when its streamer raised (e.g. a cancelled request)
     done: bool = False
@@ -131,6 +132,7 @@ class Sequence:
         self.warpers = build_warpers(self.config)
         self.stopper = Stopper(self.prompt, self.config, self.max_new_tokens, self.stopping_criteria)
         self.cache_len = 0  # this row's tokens in the target's cache (its next position)
+        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per kept token (``logprobs`` set)
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -157,9 +159,12 @@ class Sequence:
 
         return sample_walk(tokens, buffers.parents, target_at, proposals, self.generator)
 
-    def extend(self, tokens: list[int]) -> None:
-        """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only."""
+    def extend(self, tokens: list[int], logits: torch.Tensor) -> None:
+        """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only.
+        logits: [len(tokens), V], the target's logits each token was chosen from (for ``logprobs``)."""
         kept, self.done = self.stopper.extend(tokens)
+        if self.logprobs is not None and kept:
+            self.token_logprobs += token_logprobs(logits[:len(kept)], kept, self.logprobs)
         if self.streamer is not None and kept:
             try:
                 self.streamer.put(torch.tensor([kept]))
@@ -173,6 +178,16 @@ class Sequence:
         report = getattr(self.plan, "report", None)  # a plan that learns from its steps (the step-report protocol)
         if report is not None:
             self.stats.fitted = report()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per token: its log-probability under the target's own distribution (log-softmax of the raw logits [n, V],
+    before temperature and top-k / top-p, as vLLM reports them) and the ``top`` most likely (token, log-prob)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()  # [n]
+    best = lp.topk(top, dim=-1) if top > 0 else None
+    return [(c, list(zip(best.indices[i].tolist(), best.values[i].tolist())) if best is not None else [])
+            for i, c in enumerate(chosen)]
 
 
 def record_step(stats: GenerationStats, accepted: int, buffers: TreeBuffers) -> None:
