@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ._hf import text_config
-from .config import TREE_NAME, WEIGHTS_NAME
-from .drafters import MedusaConfig
+from .config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME
+from .drafters import DRAFTERS, MedusaConfig
+from .drafters.registry import public_drafter
 from .tree import load_tree, parse_tree, tree_json
 
 _PROBE_ROWS = 8
@@ -70,8 +71,32 @@ def save_heads(directory: str | Path, config: MedusaConfig, drafter: torch.nn.Mo
         acceptance.save(directory)
 
 
+def public_checkpoint(heads_dir: Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]] | None:
+    """A drafter another project published (``config.json`` + ``model.safetensors``: vLLM / speculators, SpecForge,
+    EAGLE) as (config, state) in this library's terms, or None for a medusa_lite directory."""
+    public_config = heads_dir / "config.json"
+    if (heads_dir / CONFIG_NAME).is_file() or not public_config.is_file():
+        return None
+    public = json.loads(public_config.read_text())
+    architectures = public.get("architectures") or []
+    drafter = public_drafter(architectures)
+    if drafter is None:
+        known = sorted(a for cls in DRAFTERS.values() for a in cls.PUBLIC_ARCHITECTURES)
+        raise ValueError(f"{heads_dir}: config.json describes {architectures or 'no architecture'}, not a drafter "
+                         f"medusa_lite reads (its own {CONFIG_NAME}, or {known})")
+    weights = heads_dir / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{heads_dir}: model.safetensors is missing")
+    config, state = drafter.import_public(public, load_file(str(weights)))
+    return MedusaConfig.from_dict(config, source=str(public_config)), state
+
+
 def load_config(heads_dir: Path) -> MedusaConfig:
-    """The directory's config (its drafter's config class), with ``tree.json``'s tree where the config has none."""
+    """The directory's config (its drafter's config class), with ``tree.json``'s tree where the config has none;
+    a published checkpoint's (:func:`public_checkpoint`) translated."""
+    public = public_checkpoint(heads_dir)
+    if public is not None:
+        return public[0]
     config = MedusaConfig.load(heads_dir)
     if (heads_dir / TREE_NAME).is_file() and config.tree is None:
         config.tree = tree_json(parse_tree(load_tree(heads_dir / TREE_NAME), config.num_heads))
@@ -80,10 +105,12 @@ def load_config(heads_dir: Path) -> MedusaConfig:
 
 def load_weights(drafter: torch.nn.Module, heads_dir: Path, device: torch.device) -> None:
     """Load ``heads.safetensors`` into ``drafter``; a file that does not match its config is an error."""
-    weights = heads_dir / WEIGHTS_NAME
-    if not weights.is_file():
+    public = public_checkpoint(heads_dir)
+    weights = heads_dir / ("model.safetensors" if public is not None else WEIGHTS_NAME)
+    if public is None and not weights.is_file():
         raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
-    state = load_file(str(weights), device=str(device))
+    state = {k: v.to(device) for k, v in public[1].items()} if public is not None \
+        else load_file(str(weights), device=str(device))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")

@@ -161,3 +161,37 @@ def test_eagle3_default_trees_grow_when_greedy_and_draw_a_static_tree_when_sampl
     assert calibrated.choices_for("bfloat16", sample=True) == [[0]]
     own = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 3, "tree": [[0], [1]]})
     assert own.choices_for("bfloat16") == own.choices_for("bfloat16", sample=True) == [[0], [1]]
+
+
+@pytest.mark.parametrize("layout", ["vllm", "specforge"])
+@pytest.mark.parametrize("draft_vocab", [None, 40])
+def test_published_eagle3_checkpoints_load_and_decode_token_for_token(tmp_path, layout, draft_vocab):
+    """A drafter in the layout vLLM / speculators (Eagle3LlamaForCausalLM) or SpecForge (LlamaForCausalLMEagle3, with a
+    copy of the target's embeddings) publish loads with from_pretrained and decodes exactly as the drafter it was
+    exported from; a config.json of something else is refused, naming what is read."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = _model("eagle3", **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
+    if draft_vocab:
+        model.drafter.draft_ids.copy_(torch.arange(draft_vocab) * 3)
+    config, tensors = DRAFTERS["eagle3"].export_vllm(model.config, model.drafter.state_dict(), None, torch.float32)
+    if layout == "specforge":
+        config["architectures"] = ["LlamaForCausalLMEagle3"]
+        tensors["embed_tokens.weight"] = model.base_model.get_input_embeddings().weight.detach().clone()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = MedusaModel.from_pretrained(model.base_model, tmp_path)
+    assert loaded.config.head_type == "eagle3" and loaded.config.draft_vocab_size == draft_vocab
+    theirs = loaded.drafter.state_dict()
+    assert set(theirs) == set(model.drafter.state_dict())
+    assert all(torch.equal(theirs[k], v) for k, v in model.drafter.state_dict().items())
+    prompt = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(4))
+    for tree in ([[0], [1], [0, 0], [0, 0, 0]], {"dynamic": {"nodes": 8, "depth": 3, "topk": 3, "expand": 2}}):
+        ours = model.generate(prompt, max_new_tokens=20, do_sample=False, tree=tree)
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=20, do_sample=False, tree=tree), ours)
+        assert loaded.last_stats.acceptance_rate_per_depth() == model.last_stats.acceptance_rate_per_depth()
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
+    with pytest.raises(ValueError, match="not a drafter medusa_lite reads"):
+        MedusaModel.from_pretrained(model.base_model, tmp_path)

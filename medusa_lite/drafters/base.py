@@ -87,6 +87,7 @@ class Drafter(nn.Module):
     hidden_layers: ClassVar[tuple[int, ...]] = (-1,)
     dynamic_trees: ClassVar[bool] = False  # can grow its own tree each step (EAGLE-2 expansion)
     vllm_refusal: ClassVar[str | None] = None  # why vLLM cannot run it (None: export_vllm is implemented)
+    PUBLIC_ARCHITECTURES: ClassVar[tuple[str, ...]] = ()  # config.json architectures that import_public reads
 
     def __init__(self, config):
         super().__init__()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -346,6 +347,37 @@ class Eagle3Drafter(PathDrafter):
         }
         return vllm_config, {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().clone()
                              for k, v in sorted(tensors.items())}
+
+
+    # ------------------------------------------------------------------ import
+    PUBLIC_ARCHITECTURES = ("Eagle3LlamaForCausalLM", "LlamaForCausalLMEagle3")  # vLLM / speculators, SpecForge
+
+    @classmethod
+    def import_public(cls, public: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """The inverse of :meth:`export_vllm`: an EAGLE-3 checkpoint as vLLM, SpecForge and EAGLE's own training
+        write it (``config.json`` + ``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``) -> (this library's
+        config dict, its state). A copy of the target's embeddings, if the checkpoint has one, is dropped (the
+        drafter reads the target's own)."""
+        if public.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"an EAGLE-3 drafter with {public['num_hidden_layers']} decoder layers: medusa_lite's "
+                             "has one (EAGLE-3's own and SpecForge's default)")
+        vocab = public["vocab_size"]
+        draft = public.get("draft_vocab_size") or vocab
+        aux = public.get("eagle_aux_hidden_state_layer_ids") or \
+            (public.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        heads = public["num_attention_heads"]
+        config = {"head_type": "eagle3", "hidden_size": public["hidden_size"], "vocab_size": vocab,
+                  "draft_vocab_size": draft if draft < vocab else None, "aux_layers": aux,
+                  "num_attention_heads": heads, "num_key_value_heads": public.get("num_key_value_heads", heads),
+                  "head_dim": public.get("head_dim") or public["hidden_size"] // heads,
+                  "intermediate_size": public["intermediate_size"], "rms_norm_eps": public.get("rms_norm_eps", 1e-6),
+                  "rope_theta": _rope_theta(SimpleNamespace(**public))}
+        state = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d", "embed_tokens.weight")}
+        if draft < vocab:
+            if "d2t" not in tensors:
+                raise ValueError(f"draft_vocab_size {draft} < vocab_size {vocab} but the checkpoint has no d2t")
+            state["draft_ids"] = tensors["d2t"].long() + torch.arange(draft)
+        return config, state
 
 
 def _rope_theta(cfg) -> float:

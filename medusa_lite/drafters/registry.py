@@ -32,6 +32,14 @@ def drafter_class(name: str) -> type[Drafter]:
     return DRAFTERS[name]
 
 
+def public_drafter(architectures: list[str]) -> type[Drafter] | None:
+    """The drafter that imports a published checkpoint of one of these ``config.json`` architectures, if any."""
+    for cls in DRAFTERS.values():
+        if set(architectures) & set(cls.PUBLIC_ARCHITECTURES):
+            return cls
+    return None
+
+
 def build_drafter(config) -> Drafter:
     """A fresh drafter for ``config`` (its ``head_type``), not yet attached to a target."""
     return drafter_class(config.head_type)(config)
