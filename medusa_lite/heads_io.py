@@ -18,6 +18,7 @@ from .drafters import DRAFTERS, MedusaConfig
 from .drafters.registry import public_drafter
 from .tree import load_tree, parse_tree, tree_json
 
+PUBLIC_WEIGHTS = ("model.safetensors", "medusa_lm_head.safetensors")  # vLLM / SpecForge, FasterDecoding
 _PROBE_ROWS = 8
 _PROBE_COLS = 8
 
@@ -78,17 +79,28 @@ def public_checkpoint(heads_dir: Path) -> tuple[MedusaConfig, dict[str, torch.Te
     if (heads_dir / CONFIG_NAME).is_file() or not public_config.is_file():
         return None
     public = json.loads(public_config.read_text())
-    architectures = public.get("architectures") or []
-    drafter = public_drafter(architectures)
+    drafter = public_drafter(public)
     if drafter is None:
         known = sorted(a for cls in DRAFTERS.values() for a in cls.PUBLIC_ARCHITECTURES)
-        raise ValueError(f"{heads_dir}: config.json describes {architectures or 'no architecture'}, not a drafter "
-                         f"medusa_lite reads (its own {CONFIG_NAME}, or {known})")
-    weights = heads_dir / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(f"{heads_dir}: model.safetensors is missing")
+        raise ValueError(f"{heads_dir}: config.json describes {public.get('architectures') or 'no architecture'}, "
+                         f"not a drafter medusa_lite reads (its own {CONFIG_NAME}, {known}, or FasterDecoding's "
+                         "Medusa heads)")
+    weights = public_weights(heads_dir)
     config, state = drafter.import_public(public, load_file(str(weights)))
     return MedusaConfig.from_dict(config, source=str(public_config)), state
+
+
+def public_weights(heads_dir: Path) -> Path:
+    """A published checkpoint's safetensors file; pickled ones (``.pt``, ``.bin``) are refused, never unpickled."""
+    for name in PUBLIC_WEIGHTS:
+        if (heads_dir / name).is_file():
+            return heads_dir / name
+    pickled = sorted(p.name for p in heads_dir.iterdir() if p.suffix in (".pt", ".bin", ".pth"))
+    if pickled:
+        raise ValueError(f"{heads_dir}: {pickled} are pickle files, which medusa_lite does not load; convert them "
+                         "to safetensors (safetensors.torch.save_file(torch.load(path, weights_only=True), "
+                         f"'{PUBLIC_WEIGHTS[0]}'))")
+    raise FileNotFoundError(f"{heads_dir}: none of {list(PUBLIC_WEIGHTS)}")
 
 
 def load_config(heads_dir: Path) -> MedusaConfig:
@@ -106,7 +118,7 @@ def load_config(heads_dir: Path) -> MedusaConfig:
 def load_weights(drafter: torch.nn.Module, heads_dir: Path, device: torch.device) -> None:
     """Load ``heads.safetensors`` into ``drafter``; a file that does not match its config is an error."""
     public = public_checkpoint(heads_dir)
-    weights = heads_dir / ("model.safetensors" if public is not None else WEIGHTS_NAME)
+    weights = heads_dir / WEIGHTS_NAME
     if public is None and not weights.is_file():
         raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
     state = {k: v.to(device) for k, v in public[1].items()} if public is not None \

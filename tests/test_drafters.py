@@ -195,3 +195,38 @@ def test_published_eagle3_checkpoints_load_and_decode_token_for_token(tmp_path, 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
     with pytest.raises(ValueError, match="not a drafter medusa_lite reads"):
         MedusaModel.from_pretrained(model.base_model, tmp_path)
+
+
+@pytest.mark.parametrize("layout, config", [("vllm", {}), ("vllm", {"draft_vocab_size": 40}),
+                                            ("vllm", {"share_lm_head": False}),
+                                            ("fasterdecoding", {"share_lm_head": False})])
+def test_published_medusa_heads_load_and_decode_token_for_token(tmp_path, layout, config):
+    """Medusa heads in vLLM's layout (what export-vllm writes) or FasterDecoding's (``{h}.{l}.linear``, ``{h}.{L}``,
+    ``medusa_num_heads``) load with from_pretrained: same weights, same decoding; pickled weights are refused."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = _model("medusa", **config)
+    if config.get("draft_vocab_size"):
+        model.drafter.draft_ids.copy_(torch.arange(40) * 3)
+    lm_head = model.base_model.get_output_embeddings().weight.detach()
+    public, tensors = DRAFTERS["medusa"].export_vllm(model.config, model.drafter.state_dict(), lm_head, torch.float32)
+    name = "model.safetensors"
+    if layout == "fasterdecoding":
+        public = {"medusa_num_heads": 3, "medusa_num_layers": 1, "base_model_name_or_path": "tiny"}
+        tensors = {k.replace("blocks.", "").replace(".layers.0.", ".0.linear."): v for k, v in tensors.items()}
+        tensors = {(f"{k.split('.')[1]}.1.weight" if k.startswith("lm_heads.") else k): v for k, v in tensors.items()}
+        name = "medusa_lm_head.safetensors"
+    (tmp_path / "config.json").write_text(json.dumps(public))
+    save_file(tensors, str(tmp_path / name))
+    loaded = MedusaModel.from_pretrained(model.base_model, tmp_path)
+    assert loaded.config.share_lm_head == model.config.share_lm_head
+    assert all(torch.equal(loaded.drafter.state_dict()[k], v) for k, v in model.drafter.state_dict().items())
+    prompt = torch.randint(1, 100, (1, 9), generator=torch.Generator().manual_seed(4))
+    tree = [[0], [1], [0, 0], [0, 0, 0]]
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, do_sample=False, tree=tree),
+                       model.generate(prompt, max_new_tokens=20, do_sample=False, tree=tree))
+    (tmp_path / name).rename(tmp_path / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match="pickle"):
+        MedusaModel.from_pretrained(model.base_model, tmp_path)

@@ -89,6 +89,16 @@ class Drafter(nn.Module):
     vllm_refusal: ClassVar[str | None] = None  # why vLLM cannot run it (None: export_vllm is implemented)
     PUBLIC_ARCHITECTURES: ClassVar[tuple[str, ...]] = ()  # config.json architectures that import_public reads
 
+    @classmethod
+    def reads_public(cls, public: dict) -> bool:
+        """Whether a published checkpoint's ``config.json`` is one :meth:`import_public` reads."""
+        return bool(set(public.get("architectures") or []) & set(cls.PUBLIC_ARCHITECTURES))
+
+    @classmethod
+    def import_public(cls, public: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """A published checkpoint (its ``config.json``, its tensors) -> (this library's config dict, state)."""
+        raise NotImplementedError(f"{cls.__name__} reads no published layout")
+
     def __init__(self, config):
         super().__init__()
         self.config = config

@@ -227,6 +227,47 @@ class MedusaDrafter(HeadsDrafter):
                              for k, v in sorted(out.items())}
 
 
+    PUBLIC_ARCHITECTURES = ("MedusaModel",)  # vLLM's Medusa layout (what export_vllm writes)
+    _VLLM_BLOCK = re.compile(r"^blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)$")
+    _FASTER_DECODING = re.compile(r"^(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$")  # {h}.{l}.linear.*, {h}.{L}.weight
+
+    @classmethod
+    def reads_public(cls, public: dict) -> bool:
+        return super().reads_public(public) or "medusa_num_heads" in public  # FasterDecoding's config.json
+
+    @classmethod
+    def import_public(cls, public: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+        """Medusa heads as vLLM (``blocks.{h}.layers.{l}``, ``lm_heads.{h}``, ``token_map``) or FasterDecoding's
+        Medusa (``{h}.{l}.linear``, ``{h}.{L}.weight``; ``medusa_num_heads``) publish them -> (config dict, state).
+        Per-head lm_heads that are all the same are taken as the target's shared one (what export_vllm writes)."""
+        heads = public.get("num_heads") or public["medusa_num_heads"]
+        layers = public.get("num_hidden_layers") if "num_heads" in public else public.get("medusa_num_layers", 1)
+        state, lm_heads = {}, {}
+        for name, tensor in tensors.items():
+            if m := cls._VLLM_BLOCK.match(name) or cls._FASTER_DECODING.match(name):
+                h, l, kind = int(m[1]), int(m[2]), m[3]
+                if l == layers:  # FasterDecoding: the head's own lm_head after its blocks
+                    lm_heads[h] = tensor
+                else:
+                    state[f"blocks.{h}.{l}.linear.{kind}"] = tensor
+            elif m := cls._LM_HEAD.match(name):
+                lm_heads[int(m[1])] = tensor
+            elif name != "token_map":
+                raise ValueError(f"unexpected tensor {name!r} in a published Medusa checkpoint")
+        shared = all(torch.equal(lm_heads[h], lm_heads[0]) for h in lm_heads)
+        token_map = tensors.get("token_map")
+        if token_map is not None and not shared:
+            raise ValueError("a reduced draft vocabulary (token_map) with a different lm_head per head: medusa_lite's "
+                             "draft vocabularies use the target's shared lm_head")
+        if not shared:
+            state |= {f"lm_heads.{h}.weight": w for h, w in lm_heads.items()}
+        if token_map is not None:
+            state["draft_ids"] = token_map.long()
+        config = {"head_type": cls.name, "num_heads": heads, "num_layers": layers, "share_lm_head": shared,
+                  "draft_vocab_size": None if token_map is None else int(token_map.numel())}
+        return config, state
+
+
 def _unit_rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Scale the last dimension to unit RMS (token embeddings are far smaller than final-norm states)."""
     return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -32,12 +32,9 @@ def drafter_class(name: str) -> type[Drafter]:
     return DRAFTERS[name]
 
 
-def public_drafter(architectures: list[str]) -> type[Drafter] | None:
-    """The drafter that imports a published checkpoint of one of these ``config.json`` architectures, if any."""
-    for cls in DRAFTERS.values():
-        if set(architectures) & set(cls.PUBLIC_ARCHITECTURES):
-            return cls
-    return None
+def public_drafter(public: dict) -> type[Drafter] | None:
+    """The drafter that imports a published checkpoint with this ``config.json``, if any."""
+    return next((cls for cls in DRAFTERS.values() if cls.reads_public(public)), None)
 
 
 def build_drafter(config) -> Drafter:
