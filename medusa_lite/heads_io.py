@@ -90,6 +90,25 @@ def public_checkpoint(heads_dir: Path) -> tuple[MedusaConfig, dict[str, torch.Te
     return MedusaConfig.from_dict(config, source=str(public_config)), state
 
 
+def resolve_heads_dir(heads: str | Path, revision: str | None = None) -> Path:
+    """A local heads directory as it is; otherwise ``heads`` as a Hub repo id (``org/name``), downloaded or found in
+    the local cache by ``huggingface_hub.snapshot_download`` (safetensors and JSON only)."""
+    path = Path(heads)
+    if path.is_dir():
+        return path
+    parts = str(heads).split("/")
+    if len(parts) != 2 or not all(parts) or path.exists():
+        raise FileNotFoundError(f"{heads}: no such heads directory (nor a Hub repo id 'org/name')")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(heads), revision=revision, allow_patterns=["*.json", "*.safetensors"]))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise FileNotFoundError(f"{heads}: not a local directory, and the Hub repo could not be read "
+                                f"({type(e).__name__}: {e})") from e
+
+
 def public_weights(heads_dir: Path) -> Path:
     """A published checkpoint's safetensors file; pickled ones (``.pt``, ``.bin``) are refused, never unpickled."""
     for name in PUBLIC_WEIGHTS:

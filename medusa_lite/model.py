@@ -15,7 +15,8 @@ from .kv import check_model
 from .decode import GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree, run_batch
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
 from .fit import AcceptanceTable, BatchGuards, FitSession, FittedPlan, HardwareFit, SpeedGuard
-from .heads_io import HeadsMismatchError, check_fingerprint, load_config, load_weights, save_heads, target_fingerprint
+from .heads_io import (HeadsMismatchError, check_fingerprint, load_config, load_weights, resolve_heads_dir, save_heads,
+                       target_fingerprint)
 from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree, tree_key
 
@@ -67,10 +68,27 @@ class MedusaModel(nn.Module):
         """Write ``medusa_config.json``, ``heads.safetensors`` and ``tree.json`` (never the target)."""
         save_heads(directory, self.config, self.drafter, self.acceptance)
 
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload medusa_lite drafter") -> str:
+        """Upload what :meth:`save_pretrained` writes to the Hub repository ``repo_id`` (created if needed), as
+        PEFT's ``push_to_hub``; returns the commit's URL. :meth:`from_pretrained` takes the same ``repo_id``."""
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return str(api.upload_folder(repo_id=repo_id, folder_path=tmp, commit_message=commit_message))
+
     @classmethod
-    def from_pretrained(cls, base_model, heads_dir: str | Path, **kwargs) -> "MedusaModel":
-        """Attach the heads saved in ``heads_dir`` to ``base_model``; a mismatched target is an error."""
-        heads_dir = Path(heads_dir)
+    def from_pretrained(cls, base_model, heads_dir: str | Path, *, revision: str | None = None,
+                        **kwargs) -> "MedusaModel":
+        """Attach the heads in ``heads_dir`` to ``base_model``; a mismatched target is an error. ``heads_dir``: a
+        directory (this library's, or a published EAGLE-3 / Medusa checkpoint), or a Hub repo id resolved through
+        ``huggingface_hub`` (its cache first; ``HF_HUB_OFFLINE=1`` reads the cache only) at ``revision``."""
+        heads_dir = resolve_heads_dir(heads_dir, revision)
         config = load_config(heads_dir)
         check_fingerprint(config.target_fingerprint, base_model, str(heads_dir))
         model = cls(base_model, config, **kwargs)

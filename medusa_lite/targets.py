@@ -90,22 +90,25 @@ def load_model(target: str | Path | None = None, heads: str | Path | None = None
                dtype: str | torch.dtype = "fp32", device: str = "cpu"):
     """(MedusaModel, tokenizer): the one way every command builds a model.
 
-    ``target``: an HF directory or ``.gguf`` file; None -> the default target. ``heads``: a heads directory
-    (a mismatched target is a ``HeadsMismatchError``); None -> the bundled heads for the default target, else
+    ``target``: an HF directory or ``.gguf`` file; None -> the default target. ``heads``: a heads directory or
+    Hub repo id (:meth:`MedusaModel.from_pretrained`; a mismatched target is a ``HeadsMismatchError``); None -> the bundled heads for the default target, else
     fresh zero-initialised heads (about one token per step), with a warning. ``model.heads_dir`` says which.
     """
     import warnings
 
     from .config import CONFIG_NAME
     from .drafters import MedusaConfig
+    from .heads_io import resolve_heads_dir
     from .model import MedusaModel
 
     base, tokenizer = load_target(target, dtype=dtype, device=device)
     if heads is None and target is None and has_bundled_heads():
         heads = PRETRAINED_DIR
     if heads is not None:
-        if not (Path(heads) / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"{heads} is not a heads directory (no {CONFIG_NAME})")
+        heads = resolve_heads_dir(heads)
+        if not (heads / CONFIG_NAME).is_file() and not (heads / "config.json").is_file():
+            raise FileNotFoundError(f"{heads} is not a heads directory (no {CONFIG_NAME}, nor a published drafter's "
+                                    "config.json)")
         model = MedusaModel.from_pretrained(base, heads)
     else:
         warnings.warn("no heads given: fresh (zero-initialised) heads, so expect about one token per step",

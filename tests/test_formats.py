@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,43 @@ def test_no_pickle_is_loaded(tmp_path, monkeypatch):
     (tmp_path / "heads.pt").write_bytes(b"pickle")
     with pytest.raises(FileNotFoundError, match="heads.safetensors"):
         MedusaModel.from_pretrained(tiny_model("llama"), tmp_path)
+
+
+def test_from_pretrained_takes_a_hub_repo_id_from_the_offline_cache(tmp_path, monkeypatch):
+    """A Hub repo id resolves through huggingface_hub's cache (HF_HUB_OFFLINE: the cache only), as PEFT's does;
+    push_to_hub uploads exactly what save_pretrained writes."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    target = tiny_model("llama")
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=2)), std=0.2)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-heads"
+    model.save_pretrained(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded = MedusaModel.from_pretrained(target, "someone/tiny-heads")
+    assert loaded.heads_dir == repo / "snapshots" / commit
+    assert all(torch.equal(loaded.drafter.state_dict()[k], v) for k, v in model.drafter.state_dict().items())
+    with pytest.raises(FileNotFoundError, match="Hub repo could not be read"):
+        MedusaModel.from_pretrained(target, "someone/not-cached")
+    with pytest.raises(FileNotFoundError, match="no such heads directory"):
+        MedusaModel.from_pretrained(target, str(tmp_path / "missing" / "deeper" / "dir"))
+    uploaded = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            uploaded["repo"] = repo_id
+
+        def upload_folder(self, repo_id, folder_path, commit_message):
+            uploaded["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            return f"https://huggingface.co/{repo_id}/commit/x"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    assert model.push_to_hub("someone/tiny-heads").endswith("/commit/x")
+    assert uploaded == {"repo": "someone/tiny-heads", "files": sorted(p.name for p in (repo / "snapshots" / commit).iterdir())}
