@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast gpu-check install clean
+.PHONY: demo test test-fast gpu-check vllm-check install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,5 +36,10 @@ test-fast: $(STAMP)
 gpu-check: $(STAMP)
 	bash .ci/gpu-check
 
+# opt-in: the vLLM export run by vLLM's CPU build in a venv of its own (.venv-vllm), outputs equal to plain vLLM and
+# the drafter's tokens accepted (DRAFTER=dir METHOD=eagle3|medusa K=3)
+vllm-check: $(STAMP)
+	bash .ci/vllm-check
+
 clean:
-	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) .venv-vllm .pytest_cache build dist *.egg-info
