@@ -122,26 +122,22 @@ def public_weights(heads_dir: Path) -> Path:
     raise FileNotFoundError(f"{heads_dir}: none of {list(PUBLIC_WEIGHTS)}")
 
 
-def load_config(heads_dir: Path) -> MedusaConfig:
-    """The directory's config (its drafter's config class), with ``tree.json``'s tree where the config has none;
-    a published checkpoint's (:func:`public_checkpoint`) translated."""
+def read_heads(heads_dir: Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
+    """(config, state on the CPU) of a heads directory, each file read once: its config class, with ``tree.json``'s
+    tree where the config has none; a published checkpoint (:func:`public_checkpoint`) translated."""
     public = public_checkpoint(heads_dir)
     if public is not None:
-        return public[0]
+        return public
     config = MedusaConfig.load(heads_dir)
     if (heads_dir / TREE_NAME).is_file() and config.tree is None:
         config.tree = tree_json(parse_tree(load_tree(heads_dir / TREE_NAME), config.num_heads))
-    return config
-
-
-def load_weights(drafter: torch.nn.Module, heads_dir: Path, device: torch.device) -> None:
-    """Load ``heads.safetensors`` into ``drafter``; a file that does not match its config is an error."""
-    public = public_checkpoint(heads_dir)
-    weights = heads_dir / WEIGHTS_NAME
-    if public is None and not weights.is_file():
+    if not (heads_dir / WEIGHTS_NAME).is_file():
         raise FileNotFoundError(f"{heads_dir}: {WEIGHTS_NAME} is missing")
-    state = {k: v.to(device) for k, v in public[1].items()} if public is not None \
-        else load_file(str(weights), device=str(device))
+    return config, load_file(str(heads_dir / WEIGHTS_NAME))
+
+
+def load_weights(drafter: torch.nn.Module, state: dict[str, torch.Tensor], source: Path) -> None:
+    """Load ``state`` (:func:`read_heads`) into ``drafter``; weights that do not match its config are an error."""
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{weights} does not match its config: missing {missing}, unexpected {unexpected}")
+        raise ValueError(f"{source} does not match its config: missing {missing}, unexpected {unexpected}")

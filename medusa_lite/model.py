@@ -15,7 +15,7 @@ from .kv import check_model
 from .decode import GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree, run_batch
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
 from .fit import AcceptanceTable, BatchGuards, FitSession, FittedPlan, HardwareFit, SpeedGuard
-from .heads_io import (HeadsMismatchError, check_fingerprint, load_config, load_weights, resolve_heads_dir, save_heads,
+from .heads_io import (HeadsMismatchError, check_fingerprint, load_weights, read_heads, resolve_heads_dir, save_heads,
                        target_fingerprint)
 from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree, tree_key
@@ -89,10 +89,10 @@ class MedusaModel(nn.Module):
         directory (this library's, or a published EAGLE-3 / Medusa checkpoint), or a Hub repo id resolved through
         ``huggingface_hub`` (its cache first; ``HF_HUB_OFFLINE=1`` reads the cache only) at ``revision``."""
         heads_dir = resolve_heads_dir(heads_dir, revision)
-        config = load_config(heads_dir)
+        config, state = read_heads(heads_dir)
         check_fingerprint(config.target_fingerprint, base_model, str(heads_dir))
         model = cls(base_model, config, **kwargs)
-        load_weights(model.drafter, heads_dir, model.heads_device)
+        load_weights(model.drafter, state, heads_dir)
         model.acceptance = AcceptanceTable.load(heads_dir)
         model.heads_dir = heads_dir
         return model

@@ -66,14 +66,14 @@ def build_model(cfg: TrainConfig, rt: Runtime):
 
 def warm_start(model, heads_dir: str | Path) -> None:
     """Load a saved drafter's weights (and draft vocabulary) into ``model``'s fresh drafter of the same shape."""
-    from medusa_lite.heads_io import load_config, load_weights
+    from medusa_lite.heads_io import load_weights, read_heads
 
-    saved = load_config(Path(heads_dir))
+    saved, state = read_heads(Path(heads_dir))
     for key in ("head_type", "num_heads", "num_layers", "draft_vocab_size"):
         if getattr(saved, key) != getattr(model.config, key):
             raise ValueError(f"init_heads={heads_dir}: its {key} is {getattr(saved, key)!r}, this run's "
                              f"{getattr(model.config, key)!r}")
-    load_weights(model.drafter, Path(heads_dir), model.heads_device)
+    load_weights(model.drafter, state, Path(heads_dir))
 
 
 def start_drafter(cfg: TrainConfig, model, train_data: D.TokenData, rt: Runtime) -> None:
