@@ -279,11 +279,14 @@ class MedusaModel(nn.Module):
         return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag,
                         logprobs=logprobs)
 
-    def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None) -> SpeculativeBatch:
+    def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None,
+                solo: bool = False) -> SpeculativeBatch:
         """An empty :class:`~medusa_lite.decode.SpeculativeBatch` on this model: its fitted verify kernels, and the
-        guards choosing the tree of batched steps (fitted for ``sample``: rows of the other mode get the same trees)."""
+        guards choosing the tree of batched steps (fitted for ``sample``: rows of the other mode get the same trees).
+        ``solo``: for one sequence (sliding-window layers then keep only their window)."""
         kernels = self.fits.kernels(sample)
-        return SpeculativeBatch(self.base_model, self.drafter, kernels, max_step_tokens, self.batch_guards(sample, fit))
+        return SpeculativeBatch(self.base_model, self.drafter, kernels, max_step_tokens, self.batch_guards(sample, fit),
+                                solo)
 
     @torch.no_grad()
     def generate(
@@ -306,8 +309,7 @@ class MedusaModel(nn.Module):
         ``num_return_sequences`` (sampling): that many samples per prompt, in one batch sharing its prefill.
         Batches: left-padded ``input_ids`` with their ``attention_mask``, as transformers takes them; every row is
         verified in the same forward and stops on its own (its output equals its batch-1 output; rows that
-        finish first are padded with ``pad_token_id`` on the right). Models with sliding-window layers decode
-        the rows one after another (samples of one prompt still share its prefill: a copy of its cache each).
+        finish first are padded with ``pad_token_id`` on the right), sliding-window models included.
         When sampling, static trees draw their tokens from the heads' distributions (``sampled_drafts``,
         accepted with probability min(1, p/q)); ``sampled_drafts=False`` proposes the heads' top ranks.
         Without ``tree``, the tree is the one fitted to this machine per context length (heads with an
@@ -325,7 +327,7 @@ class MedusaModel(nn.Module):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         try:
-            run_batch(self.decoder(sample, fit=kwargs.get("fit")), seqs)
+            run_batch(self.decoder(sample, fit=kwargs.get("fit"), solo=len(seqs) == 1), seqs)
         finally:
             if streamer is not None:
                 streamer.end()

@@ -145,9 +145,6 @@ class Engine:
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
         self.batch = model.decoder(max_step_tokens=max_batched_tokens)
-        if not self.batch.batchable:
-            log.info("one request at a time: this model has sliding-window layers, which cannot share a batch")
-            self.max_batch_size = 1
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
         self.limit = context_length(model.base_model.config)
         eos = model.generation_config.eos_token_id

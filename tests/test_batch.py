@@ -25,7 +25,7 @@ def batch_oracle(references: list[torch.Tensor], num_heads: int, vocab: int):
 
     def draft(hidden: torch.Tensor, ids: torch.Tensor, topk: int) -> torch.Tensor:
         seen = ids.tolist()
-        ref = next(r for r in refs if r[:len(seen)] == seen)
+        ref = next((r for r in refs if r[:len(seen)] == seen), seen)  # off every reference (a control): no true token
         n, rows = len(seen), []
         for k in range(num_heads):
             true = ref[n + k] if n + k < len(ref) else 0
@@ -127,17 +127,57 @@ def test_rows_join_leave_and_stop_on_their_own():
     assert seqs[1].stats.new_tokens == 6 and seqs[4].new_tokens[-1] == eos
 
 
-def test_sliding_window_models_decode_rows_one_after_another():
+SLIDING = ["Mistral (sliding window)", "Gemma 2 (alternating)", "GPT-OSS (alternating, MoE, sinks)"]
+
+
+def _sliding_rows(name: str, window: int = 3):
+    """A sliding-window target, prompts longer than its window and their plain continuations, and a batched model
+    whose oracle drafts make rows accept different lengths and non-first branches (holes, moved slots)."""
+    from dataclasses import replace
+
     from test_architectures import BY_NAME
 
-    target = next(a for a in BY_NAME.values() if a.kwargs.get("sliding_window")).build(seed=0)
+    arch = BY_NAME[name]
+    target = replace(arch, kwargs={**arch.kwargs, "sliding_window": window}).build(seed=0)
     vocab = target.config.vocab_size
     prompts = [p % vocab for p in _prompts((12, 5, 9))]
-    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=4, head_type="hydra", tree=DYNAMIC)), std=0.5)
+    refs = [_plain(target, p, 30) for p in prompts]
+    model = MedusaModel(target, MedusaConfig(num_heads=4, tree=WIDE))
+    model.drafter.draft = batch_oracle([torch.cat([p, r]) for p, r in zip(prompts, refs)], 4, vocab)
+    return model, prompts, refs
+
+
+@pytest.mark.parametrize("name", SLIDING)
+def test_sliding_window_rows_share_verify_steps(name):
+    """Rows of a sliding-window model verified together (their layers keep every key, each row's window cut by the
+    mask) equal plain decoding, past the window, with holes and moved slots; a row alone keeps only its window."""
+    model, prompts, refs = _sliding_rows(name)
     ids, mask = _left_padded(prompts)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
-    for b, p in enumerate(prompts):
-        assert torch.equal(out[b, ids.shape[1]:], _plain(target, p, 30)), f"row {b}"
+    steps = [s.tokens_per_step for s in model.last_batch_stats]
+    assert max(max(s) for s in steps) >= 3 and min(min(s) for s in steps) == 1
+    assert sum(s.target_forwards for s in model.last_batch_stats) > max(s.target_forwards for s in model.last_batch_stats)
+    for b, ref in enumerate(refs):
+        assert torch.equal(out[b, ids.shape[1]:], ref), f"row {b}"
+    batch = model.decoder(solo=True)
+    assert batch.window is None and any(batch.prefill(prompts[0])[1].is_sliding)
+
+
+@pytest.mark.parametrize("name", SLIDING[:2])
+def test_control_batched_rows_without_the_window_differ(name):
+    """A deliberately wrong batched mask (sliding layers see every key: no window) must change some row."""
+    model, prompts, refs = _sliding_rows(name)
+    decoder = model.decoder
+
+    def windowless(*args, **kwargs):
+        batch = decoder(*args, **kwargs)
+        batch.window = 10**9 if batch.window is not None else None
+        return batch
+
+    model.decoder = windowless
+    ids, mask = _left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert any(not torch.equal(out[b, ids.shape[1]:], ref) for b, ref in enumerate(refs))
 
 
 def test_batch_trees_shrink_as_the_batch_grows():

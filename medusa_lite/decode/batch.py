@@ -9,7 +9,6 @@ token (the choice at the last accepted node) becomes the next root. Many rows st
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable
 
@@ -17,7 +16,8 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from .._hf import cache_kwarg, context_length
-from ..kv import check_batchable, compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, select_rows
+from ..kv import (compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, rows_cache, select_rows,
+                  sliding_layout)
 from ..drafters import Draft, Drafter, DraftState
 from .forward import prefill, read_features, verify_forward, verify_rows
 from .plans import BatchPlanner, Plan, first_nodes
@@ -35,14 +35,17 @@ class SpeculativeBatch:
     advance by different amounts, so the shared cache has holes (see the batch functions of
     :mod:`medusa_lite.kv.rows`): each row has its own positions and attention mask, and the holes are closed
     when they exceed a quarter of the slots (:func:`~medusa_lite.kv.compact_rows`). A row alone in the batch
-    with no holes takes exactly the batch-1 path (sliding-window layers, packed verify kernels).
+    with no holes takes exactly the batch-1 path (packed verify kernels). Sliding-window layers keep every key in a
+    batch (:func:`~medusa_lite.kv.rows_cache`) and get each row's window from the mask; a ``solo`` batch (one row at a
+    time: ``generate`` of one sequence) keeps only their window, as transformers does, and takes the batch-1 path.
 
     Exact per row: a row's greedy output is its batch-1 output (up to floating-point ties between the batched
     and the single-row matmuls), and its sampled output has the target's distribution: the tree of a row's step
     is decided before the step drafts (by the batch size and finished steps), never by that step's draws.
     """
 
-    def __init__(self, target, drafter: Drafter, kernels=None, max_step_tokens: int | None = None, guards: BatchPlanner | None = None):
+    def __init__(self, target, drafter: Drafter, kernels=None, max_step_tokens: int | None = None,
+                 guards: BatchPlanner | None = None, solo: bool = False):
         self.target, self.drafter, self.kernels = target, drafter, kernels
         self.guards = guards  # e.g. BatchGuards (medusa_lite.fit): the tree of steps with B > 1 rows (None: each row's own plan)
         self.max_step_tokens = max_step_tokens  # tree tokens one verify forward may hold, all rows together
@@ -52,7 +55,9 @@ class SpeculativeBatch:
         self.state: DraftState | None = None
         self.limit = context_length(target.config)
         self.cache_key = cache_kwarg(target)
-        self.batchable = not any(new_cache(target).is_sliding)  # full-attention layers only: rows can share a step
+        self.solo = solo
+        window, self.full_layers = sliding_layout(target)
+        self.window = None if solo else window  # not None: sliding layers keep every key, the mask cuts the window
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -66,7 +71,7 @@ class SpeculativeBatch:
     @torch.no_grad()
     def prefill(self, prompt: torch.Tensor) -> tuple:
         """The prompt's forward into a fresh cache: (output, cache, seconds), for :meth:`add_group`'s ``prefilled``."""
-        cache = new_cache(self.target)
+        cache = new_cache(self.target) if self.window is None else rows_cache(self.target)
         out, seconds = prefill(self.target, prompt, {self.cache_key: cache})
         return out, cache, seconds
 
@@ -79,8 +84,8 @@ class SpeculativeBatch:
         prompt = seqs[0].prompt
         if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
             raise ValueError("add_group: the sequences' prompts differ")
-        if (self.rows or len(seqs) > 1) and not self.batchable:
-            check_batchable(new_cache(self.target))  # raises, naming why
+        if self.solo and (self.rows or len(seqs) > 1):
+            raise ValueError("a solo SpeculativeBatch decodes one sequence")
         out, cache, seconds = prefilled if prefilled is not None else self.prefill(prompt)
         staying = []
         for seq in seqs:
@@ -132,7 +137,7 @@ class SpeculativeBatch:
             if not seq.done:
                 staying.append(b)
         finished = [seq for seq in self.rows if seq.done]
-        solo = self.rows[0] if batch == 1 else None
+        alone = self.rows[0] if batch == 1 else None
         if staying:
             features = read_features(out, self.drafter)
             index = torch.tensor(staying, device=features.device)
@@ -142,8 +147,8 @@ class SpeculativeBatch:
             self._compact()
         else:
             self._keep_rows([])
-        if solo is not None and solo.on_step is not None:  # a fitted plan's guard learns from steps verified alone
-            solo.on_step(int(results[0][0].numel()), time.perf_counter() - start)
+        if alone is not None and alone.on_step is not None:  # a fitted plan's guard learns from steps verified alone
+            alone.on_step(int(results[0][0].numel()), time.perf_counter() - start)
         if tree is not None:
             self.guards.record(batch, sum(int(nodes.numel()) for nodes, _ in results), time.perf_counter() - start)
         for seq in finished:
@@ -173,10 +178,11 @@ class SpeculativeBatch:
     def _verify(self, drafts: list[Draft]):
         """One target forward over every row's tree: (output, seconds)."""
         cache_arg = {self.cache_key: self.cache}
-        if len(drafts) == 1 and bool(self.valid.all()):  # the batch-1 path (sliding windows, packed kernels)
+        if len(drafts) == 1 and self.window is None and bool(self.valid.all()):  # the batch-1 path (packed kernels)
             (tokens, buffers, _), = drafts
             return verify_forward(self.target, cache_arg, tokens, buffers, self.rows[0].cache_len, self.kernels)
-        return verify_rows(self.target, cache_arg, drafts, [seq.cache_len for seq in self.rows], self.valid, self.kernels)
+        return verify_rows(self.target, cache_arg, drafts, [seq.cache_len for seq in self.rows], self.valid, self.kernels,
+                           self.window, self.full_layers)
 
     def _keep(self, accepted: list[torch.Tensor]) -> None:
         """Keep each row's accepted nodes in the cache; the step's other nodes are dropped or become holes."""
@@ -207,19 +213,7 @@ class SpeculativeBatch:
 
 
 def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
-    """Decode every sequence to its end: all in one batch, or one after another where the model cannot batch
-    (sliding-window layers, :func:`~medusa_lite.kv.check_batchable`); either way consecutive sequences with the
-    same prompt share its prefill (one after another: a copy of its cache each)."""
-    if not batch.batchable:  # one after another; consecutive sequences with the same prompt share its prefill
-        shared = None
-        for seq in seqs:
-            if shared is None or not torch.equal(seq.prompt, shared[0]):
-                shared = (seq.prompt, *batch.prefill(seq.prompt))
-            out, cache, seconds = shared[1:]
-            batch.add_group([seq], prefilled=(out, copy.deepcopy(cache), seconds))
-            while batch.rows:
-                batch.step()
-        return
+    """Decode every sequence to its end in one batch; consecutive sequences with the same prompt share its prefill."""
     group: list[Sequence] = []
     for seq in seqs + [None]:
         if group and (seq is None or not torch.equal(seq.prompt, group[0].prompt)):
@@ -253,7 +247,7 @@ def speculative_generate(
     ``kernels``: :class:`medusa_lite.kernels.VerifyKernels` for the verify forwards (None: the stock kernels).
     """
     seq = Sequence(prompt, config, plan, max_new_tokens, stopping_criteria, generator, streamer, on_step)
-    batch = SpeculativeBatch(target, drafter, kernels)
+    batch = SpeculativeBatch(target, drafter, kernels, solo=True)
     if batch.add(seq):
         while batch.rows:
             batch.step()

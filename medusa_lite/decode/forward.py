@@ -38,10 +38,12 @@ def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeB
     return out, time.perf_counter() - t0
 
 
-def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[int], valid: torch.Tensor, kernels=None):
+def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[int], valid: torch.Tensor, kernels=None,
+                window: int | None = None, full_layers: bool = True):
     """One target forward over every row's tree (rows padded to the widest): (output, seconds).
 
     valid: [B, S] the cache slots each row attends to; each row has its own positions ``cache_len + depth``.
+    ``window``, ``full_layers``: the model's sliding-window layers (``kv.sliding_layout``), masked per row.
     """
     dtype = target.get_output_embeddings().weight.dtype
     t0 = time.perf_counter()
@@ -50,7 +52,7 @@ def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[i
     tokens = torch.stack([pad(d.tokens, (0, width - d.tokens.numel())) for d in drafts])  # [B, N]
     positions = torch.stack([n + pad(d.buffers.depths, (0, width - d.tokens.numel()))
                              for n, d in zip(cache_lens, drafts)])  # [B, N] each row's own positions
-    mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype)
+    mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype, window, full_layers)
     with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                      output_hidden_states=True, return_dict=True, **cache_arg)

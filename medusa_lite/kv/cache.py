@@ -154,15 +154,24 @@ def extend_cache(cache: DynamicCache, tokens: int, generator: torch.Generator | 
 
 
 # ---------------------------------------------------------------------------- many rows in one cache
-# A batch of sequences shares one DynamicCache of full-attention layers, [B, H, S, D] per layer, with a
-# ``valid`` mask [B, S]: the slots each row attends to. A row's other slots are holes (left padding when
-# rows of different lengths join, tree nodes another row accepted and this one did not). Keys are stored
-# after RoPE at each row's own positions, so where a slot sits physically does not matter: holes are
-# masked, and compacting (moving slots) changes nothing a row sees.
+# A batch of sequences shares one DynamicCache, [B, H, S, D] per layer, with a ``valid`` mask [B, S]: the slots each
+# row attends to. A row's other slots are holes (left padding when rows of different lengths join, tree nodes
+# another row accepted and this one did not). Keys are stored after RoPE at each row's own positions, so where a
+# slot sits physically does not matter: holes are masked, and compacting (moving slots) changes nothing a row sees.
+# A row's held slots stay in the order of its positions, so slot s of row b holds position ``valid[b, :s].sum()``.
 
-def check_batchable(cache: DynamicCache) -> None:
-    """Raise :class:`UnsupportedCacheError` unless every layer is full attention (sliding layers keep only their
-    window and cannot hold holes: such models decode one row at a time)."""
-    if any(cache.is_sliding):
-        raise UnsupportedCacheError("batched verification needs full-attention layers only: this model has "
-                                    "sliding-window layers, which decode one sequence at a time")
+def rows_cache(model) -> DynamicCache:
+    """A fresh cache for rows that share verify steps: every layer keeps every key (``DynamicLayer``). A sliding-window
+    layer cannot trim a cache with holes to each row's window, so in a batch it holds the whole context and the
+    window is cut by the mask (:func:`medusa_lite.kv.batch_attention_mask`); a model without sliding layers gets
+    the same cache as :func:`new_cache`."""
+    cache = new_cache(model)
+    cache.layers = [layer if not layer.is_sliding else DynamicLayer() for layer in cache.layers]
+    return cache
+
+
+def sliding_layout(model) -> tuple[int | None, bool]:
+    """(the window of ``model``'s sliding-window layers, None without any; whether it has full-attention layers)."""
+    cache = new_cache(model)
+    window = next((int(layer.sliding_window) for layer in cache.layers if layer.is_sliding), None)
+    return window, not all(cache.is_sliding)

@@ -40,11 +40,16 @@ def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: in
     return masks
 
 
-def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: int, dtype: torch.dtype) -> torch.Tensor:
+def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: int, dtype: torch.dtype,
+                         window: int | None = None, full_layers: bool = True) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive mask of a verify pass over B rows' trees, padded to ``nodes`` tokens: [B, 1, nodes, S + nodes].
 
     Row b's nodes see the cache slots ``valid[b]`` ([B, S] bool) marks and their own ancestors (its tree's
-    ``ancestor_mask``); padding nodes past its tree see the cache and themselves only, and are never accepted."""
+    ``ancestor_mask``); padding nodes past its tree see the cache and themselves only, and are never accepted.
+    ``window``: the model has sliding-window layers, which in a batch hold every key (:func:`~medusa_lite.kv.rows_cache`):
+    their mask also drops the keys at least ``window`` positions behind the node, counted from the node's own
+    position as :func:`~medusa_lite.tree.sliding_attention_bias` does. Returned alone, or as ``{layer type: mask}``
+    when ``full_layers`` alternate with them."""
     batch, slots = valid.shape
     allowed = torch.zeros(batch, nodes, slots + nodes, dtype=torch.bool, device=valid.device)
     allowed[:, :, :slots] = valid[:, None, :]
@@ -52,5 +57,17 @@ def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: i
     for b, tree in enumerate(trees):
         n = tree.num_nodes
         allowed[b, :n, slots:slots + n] = tree.ancestor_mask
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=valid.device)
+    if window is None:
+        return _additive(allowed, dtype)
+    depths = torch.stack([torch.nn.functional.pad(t.depths, (0, nodes - t.num_nodes)) for t in trees])  # [B, nodes]
+    node_pos = valid.sum(dim=1, keepdim=True) + depths                               # [B, nodes]
+    key_pos = torch.cat([valid.cumsum(dim=1) - 1, node_pos], dim=1)                  # [B, S + nodes] (holes: masked)
+    near = node_pos[:, :, None] - key_pos[:, None, :] < window                       # [B, nodes, S + nodes]
+    sliding = _additive(allowed & near, dtype)
+    return {FULL: _additive(allowed, dtype), SLIDING: sliding} if full_layers else sliding
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Q, K] bool -> [B, 1, Q, K] additive mask: 0 where attended, the dtype's minimum elsewhere."""
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     return bias.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
