@@ -13,6 +13,7 @@ from medusa_lite import MedusaConfig, MedusaModel
 from medusa_lite.fit import HardwareFit, Rung
 from medusa_lite.decode import SpeculativeBatch
 
+BATCH_ROWS = 48  # rows of the Monte Carlo batches (plus one that leaves and one that joins)
 WIDE = [[0], [1], [2], [3], [0, 0], [1, 0], [0, 1], [2, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0, 0]]
 DYNAMIC = {"dynamic": {"nodes": 12, "depth": 4, "topk": 3, "expand": 3}}
 
@@ -214,22 +215,24 @@ def test_batch_guards_share_what_they_learned_across_batch_sizes():
     assert BatchGuards(fit).tree(2, 10) == [[0]]  # without that history it starts on the priced best
 
 
-def _batch_samples(model, n: int, seed: int = 0, **gen) -> list[tuple[int, ...]]:
-    """``n`` samples of the first NEW tokens after PROMPT from batches of 12 PROMPT rows (sharing one prefill), a
-    row with another prompt that stops after one step, then a PROMPT row that joins after that step; a budget of
-    40 tree tokens per step cuts the 7-node trees to 3 nodes while 12-13 rows are present, less as rows finish."""
+def _batch_samples(model, n: int, seed: int = 0, rows: int = BATCH_ROWS, **gen) -> list[tuple[int, ...]]:
+    """``n`` samples of the first NEW tokens after PROMPT from batches of ``rows`` PROMPT rows (sharing one prefill),
+    a row with another prompt that stops after one step, then a PROMPT row that joins after that step; a budget of
+    3.4 tree tokens per row and step cuts the 7-node trees to 3 nodes while all rows are present, less as rows
+    finish."""
     torch.manual_seed(seed)
     other = torch.tensor([3, 1, 4])
     samples = []
     while len(samples) < n:
-        seqs = model.sequences([PROMPT[0]] * 13, max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None, **gen)
+        seqs = model.sequences([PROMPT[0]] * (rows + 1), max_new_tokens=NEW + 1, do_sample=True, eos_token_id=None,
+                               **gen)
         early = model.sequence(other, max_new_tokens=2, do_sample=True, eos_token_id=None, **gen)
-        batch = model.decoder(sample=True, max_step_tokens=40)
-        batch.add_group(seqs[:12])
+        batch = model.decoder(sample=True, max_step_tokens=int(3.4 * (rows + 1)))
+        batch.add_group(seqs[:rows])
         batch.add(early)
         batch.step()
         assert early.done
-        batch.add(seqs[12])
+        batch.add(seqs[rows])
         while batch.rows:
             batch.step()
         samples += [tuple(seq.new_tokens[:NEW].tolist()) for seq in seqs]
