@@ -1,5 +1,9 @@
 """The heads' configuration: their shape, the tree and the provenance, stored as ``medusa_config.json``.
 
+The tree stored here is the no-fit fallback: decoding fits the tree to the machine it runs on from the heads'
+acceptance table (:mod:`medusa_lite.fit`) and uses ``tree`` only where no fit is made (no table, ``fit=False``);
+``medusa-lite calibrate`` writes the fit's own choice into it.
+
 :class:`HeadsConfig` is the plain schema and its JSON I/O; it knows no drafter. The public
 :class:`~medusa_lite.MedusaConfig` (:mod:`medusa_lite.drafters.registry`) adds the check of ``head_type`` against
 the registered drafters and loads a saved config as its drafter's own config class."""
@@ -13,24 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._hf import dtype_name
 from ._version import __version__
 from .tree import parse_tree, tree_json, truncate
 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "heads.safetensors"
-TREE_NAME = "tree.json"
+TREE_NAME = "tree.json"  # legacy (written up to 0.1): its tree is read where the config has none
+LEGACY_KEYS = ("dtype_trees",)  # written up to 0.1 (the offline chooser's tree per dtype); read as the fallback tree
 
 # ~16-node tree grown by tree.grow_tree from prior per-head accuracies; replaced by calibration.
 DEFAULT_TREE: list[list[int]] = [
     [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 0, 1],
     [0, 1, 0], [2, 0], [0, 0, 0, 0], [1, 1], [0, 3], [0, 0, 2],
 ]
-
-
-def sample_key(dtype) -> str:
-    """Key of ``MedusaConfig.dtype_trees`` for the tree calibrated for sampling in ``dtype``."""
-    return f"{dtype_name(dtype)}:sample"
 
 
 @dataclass
@@ -47,8 +46,8 @@ class HeadsConfig:
     head_type: str = "medusa"           # the registered drafter (medusa_lite.drafters): "medusa" reads h_t,
                                         # "hydra" also the drafted path
     draft_vocab_size: int | None = None  # heads propose only these many tokens (ids stored with the weights)
-    tree: list[list[int]] | dict | None = None  # medusa_choices or {"dynamic": {...}}; None: default_tree()
-    dtype_trees: dict[str, list[list[int]] | dict] = field(default_factory=dict)  # calibrated per target dtype
+    tree: list[list[int]] | dict | None = None  # the no-fit fallback: medusa_choices or {"dynamic": {...}};
+                                                # None: default_tree()
     hidden_size: int | None = None
     vocab_size: int | None = None
     base_model: str | None = None
@@ -66,9 +65,6 @@ class HeadsConfig:
             raise ValueError("MedusaConfig.draft_vocab_size must be a positive integer and needs share_lm_head=True")
         if self.tree is not None:
             self.tree = tree_json(parse_tree(self.tree, self.num_heads))
-        if not isinstance(self.dtype_trees, dict):
-            raise ValueError("MedusaConfig.dtype_trees must map a dtype name ('float32', 'bfloat16') to a tree")
-        self.dtype_trees = {str(k): tree_json(parse_tree(v, self.num_heads)) for k, v in self.dtype_trees.items()}
 
     @property
     def choices(self) -> list[list[int]] | dict:
@@ -80,18 +76,9 @@ class HeadsConfig:
         heads. A drafter's config class may choose another."""
         return truncate(DEFAULT_TREE, self.num_heads)
 
-    def choices_for(self, dtype, sample: bool = False) -> list[list[int]] | dict:
-        """The tree calibrated for ``dtype`` (a torch dtype or its name), else :attr:`choices`.
-
-        A multi-token forward costs relatively more in fp32 than in bf16 on a CPU, so each dtype
-        gets the tree that is fastest for it (``medusa-lite calibrate --dtype ...``). ``sample``: the
-        tree calibrated for sampling (key ``"<dtype>:sample"``, ``calibrate --temperature``), where
-        acceptance is lower and sampled drafts favour other shapes; else the greedy one.
-        """
-        name = dtype_name(dtype)
-        for key in ([sample_key(name)] if sample else []) + [name]:
-            if key in self.dtype_trees:  # may be [] (the root alone: no speculation pays)
-                return self.dtype_trees[key]
+    def choices_for(self, sample: bool = False) -> list[list[int]] | dict:
+        """The tree to decode with where no hardware fit is made: the stored ``tree``, else :meth:`default_tree`
+        (``sample``: for sampling)."""
         return self.tree if self.tree is not None else self.default_tree(sample)
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,6 +89,7 @@ class HeadsConfig:
         """Build from a dict. Unknown keys raise when ``strict`` (user input) and warn otherwise (saved files)."""
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        data = _fold_legacy(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown and strict:
@@ -127,3 +115,16 @@ class HeadsConfig:
             return cls.from_dict(data, strict=False, source=str(path))
         except TypeError as e:
             raise ValueError(f"{path}: malformed config: {e}") from e
+
+
+def _fold_legacy(data: dict[str, Any]) -> dict[str, Any]:
+    """A config written by 0.1: its fp32 greedy ``dtype_trees`` entry (what decoding used on the CPU) becomes the
+    fallback ``tree`` where none is stored; the per-dtype trees themselves are no longer kept."""
+    legacy = {k: data[k] for k in LEGACY_KEYS if k in data}
+    if not legacy:
+        return data
+    data = {k: v for k, v in data.items() if k not in LEGACY_KEYS}
+    by_dtype = legacy.get("dtype_trees")
+    if data.get("tree") is None and isinstance(by_dtype, dict) and "float32" in by_dtype:
+        data["tree"] = by_dtype["float32"]
+    return data

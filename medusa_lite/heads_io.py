@@ -61,13 +61,13 @@ def check_fingerprint(saved: dict[str, Any] | None, target, source: str) -> None
 
 
 def save_heads(directory: str | Path, config: MedusaConfig, drafter: torch.nn.Module, acceptance=None) -> None:
-    """Write ``medusa_config.json``, ``heads.safetensors``, ``tree.json`` and the acceptance table if there is one."""
+    """Write ``medusa_config.json`` (the fallback tree in it), ``heads.safetensors`` and the acceptance table if there
+    is one."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config.save(directory)
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "medusa_lite"})
-    (directory / TREE_NAME).write_text(json.dumps({"choices": config.choices, "by_dtype": config.dtype_trees}) + "\n")
     if acceptance is not None:
         acceptance.save(directory)
 
@@ -123,7 +123,7 @@ def public_weights(heads_dir: Path) -> Path:
 
 
 def read_heads(heads_dir: Path) -> tuple[MedusaConfig, dict[str, torch.Tensor]]:
-    """(config, state on the CPU) of a heads directory, each file read once: its config class, with ``tree.json``'s
+    """(config, state on the CPU) of a heads directory, each file read once: its config class, with a legacy ``tree.json``'s
     tree where the config has none; a published checkpoint (:func:`public_checkpoint`) translated."""
     public = public_checkpoint(heads_dir)
     if public is not None:

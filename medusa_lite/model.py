@@ -65,7 +65,7 @@ class MedusaModel(nn.Module):
 
     # ------------------------------------------------------------------ formats
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``medusa_config.json``, ``heads.safetensors`` and ``tree.json`` (never the target)."""
+        """Write ``medusa_config.json``, ``heads.safetensors`` and the acceptance table if any (never the target)."""
         save_heads(directory, self.config, self.drafter, self.acceptance)
 
     def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
@@ -122,12 +122,12 @@ class MedusaModel(nn.Module):
 
     @property
     def choices(self) -> TreeSpec:
-        """The tree greedy ``generate`` uses by default: calibrated for the target's dtype when available."""
+        """The tree greedy ``generate`` uses where no hardware fit is made (the heads' stored fallback)."""
         return self.tree_for(sample=False)
 
     def tree_for(self, sample: bool) -> TreeSpec:
-        """The default tree for greedy decoding or for sampling (calibrated per dtype, see ``choices_for``)."""
-        return parse_tree(self.config.choices_for(self.dtype, sample), self.config.num_heads)
+        """The tree greedy decoding or sampling uses where no hardware fit is made (``MedusaConfig.choices_for``)."""
+        return parse_tree(self.config.choices_for(sample), self.config.num_heads)
 
     @property
     def _topk(self) -> int:

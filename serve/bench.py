@@ -377,7 +377,6 @@ def main(argv: list[str] | None = None) -> dict:
     target = model.base_model
     if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
         model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))
-        model.config.dtype_trees = {}
     model.fit_enabled = args.fit and not args.tree
     fit = model.fit_hardware(sample=not greedy) if model.fit_enabled else None
     if fit is not None:

@@ -1,10 +1,9 @@
-"""Calibration: the pure math (accuracy counting, latency interpolation, tree choice) and the CLI end to end."""
+"""Calibration: the pure math (accuracy counting, latency interpolation) and the CLI end to end: the acceptance table,
+the fit on this machine and the fallback tree it stores."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,12 +11,10 @@ from conftest import random_heads
 from tiny_chat import save_tiny_target
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.calibrate import choose_tree, measure_forward_latency, score_trees, topk_hits
-from medusa_lite.fit import interpolate_latency, monotone_latency
+from medusa_lite.calibrate import topk_hits
+from medusa_lite.fit import AcceptanceTable, interpolate_latency, monotone_latency
 from medusa_lite.targets import load_target
-from medusa_lite.tree import expected_length, grow_tree, load_tree, tree_json
-
-ACC = [[0.6, 0.2, 0.1], [0.4, 0.15, 0.05], [0.3, 0.1], [0.2, 0.05]]
+from medusa_lite.tree import load_tree, tree_json
 
 
 def test_topk_hits_counts_head_k_against_target_choice_k_plus_1_ahead():
@@ -50,39 +47,13 @@ def test_monotone_latency_removes_noise_dips():
     assert monotone_latency({1: 70.0, 2: 118.0, 4: 110.0, 8: 135.0}) == {1: 70.0, 2: 110.0, 4: 110.0, 8: 135.0}
 
 
-def test_choose_tree_flat_then_steep_latency_picks_largest_cheap_tree():
-    latency = {1: 1.0, 16: 1.0, 32: 4.0, 64: 12.0}
-    best, cands = choose_tree(ACC, latency, sizes=[1, 2, 4, 8, 15, 31, 63])
-    assert best.size == 15  # 16 tokens cost one forward: the biggest tree in the flat region wins
-    assert best.choices == grow_tree(ACC, 15)
-    assert best.expected_length == pytest.approx(expected_length(best.choices, ACC))
-    assert best.tokens_per_second == max(c.tokens_per_second for c in cands)
-
-
-def test_choose_tree_linear_latency_picks_small_tree_and_overhead_favours_bigger():
-    latency = {1: 1.0, 64: 64.0}  # every token costs a full forward: speculation barely pays
-    best, _ = choose_tree(ACC, latency, sizes=[1, 2, 4, 8])
-    assert best.size == 1
-    best_oh, cands = choose_tree(ACC, latency, sizes=[1, 2, 4, 8], overhead=20.0)
-    assert best_oh.size > 1  # a large fixed per-step cost makes extra nodes relatively cheap
-    brute = max(cands, key=lambda c: c.expected_length / (interpolate_latency(latency, c.size + 1) + 20.0))
-    assert best_oh.size == brute.size
-
-
-def test_score_trees_drops_sizes_beyond_the_accuracies():
-    cands = score_trees([[0.5, 0.2]], {1: 1.0, 8: 1.0}, sizes=[1, 2, 5])
-    assert [c.size for c in cands] == [1, 2]
-
-
-def test_measure_forward_latency_restores_cache(tmp_path):
-    target, _ = load_target(save_tiny_target(tmp_path / "t"))
-    table = measure_forward_latency(target, tokens=[1, 4], cache_len=16, repeats=1)
-    assert set(table) == {1, 4} and all(v["median"] > 0 for v in table.values())
-
-
-def _calibrate_setup(tmp_path, config: MedusaConfig, questions: dict[int, str], std: float | None = 0.3):
+def _calibrate_setup(tmp_path, config: MedusaConfig, questions: dict[int, str], std: float | None = 0.3,
+                     monkeypatch=None):
     """A saved tiny target, heads (random when ``std``) and Spec-Bench-style questions; returns
-    (target_dir, heads_dir, run) where ``run(*args)`` calls ``medusa-lite calibrate`` on them."""
+    (target_dir, heads_dir, run) where ``run(*args)`` calls ``medusa-lite calibrate`` on them (the fit's probe
+    cached under ``tmp_path``)."""
+    if monkeypatch is not None:
+        monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path / "cache"))
     target_dir = save_tiny_target(tmp_path / "target")
     model = MedusaModel(load_target(target_dir)[0], config)
     if std is not None:
@@ -95,51 +66,69 @@ def _calibrate_setup(tmp_path, config: MedusaConfig, questions: dict[int, str], 
 
     def run(*args):
         return main(["--heads", str(heads), "--target", str(target_dir), "--questions", str(path), "--per-task",
-                            "1", "--cache-len", "16", "--repeats", "1", "--threads", "1", *args])
+                     "1", "--threads", "1", "--probe-budget", "2", *args])
     return target_dir, heads, run
 
 
-def test_calibrate_cli_writes_tree_that_loads(tmp_path):
-    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=3),
-                                              {160: "write a story", 400: "what is it"})
-    report = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2,4,8", "--latency-tokens", "1,2,4,8",
-                 "--cache-len", "32", "--lookup", "", "--continuations", str(tmp_path / "cont.json"))
+def test_calibrate_writes_the_table_and_the_fits_own_tree_as_the_fallback(tmp_path, monkeypatch):
+    """One path chooses trees: calibrate writes the acceptance table, fits this machine from it and stores the fit's
+    tree as the heads' no-fit fallback; loading the heads on this machine fits the same tree from the table."""
+    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=3), {160: "write a story",
+                                                                                   400: "what is it"},
+                                              monkeypatch=monkeypatch)
+    report = run("--max-new-tokens", "16", "--topk", "3", "--sample-prompts", "1",
+                 "--continuations", str(tmp_path / "cont.json"))
     saved = json.loads((heads / "calibration.json").read_text())
-    assert saved["data"]["question_ids"] == [160, 400]
+    assert saved["data"]["question_ids"] == [160, 400] and saved["fallback_tree"] == report["fallback_tree"]
     acc = saved["accuracy"]["accuracies"]
     assert len(acc) == 3 and all(len(row) == 3 and 0 <= sum(row) <= 1 + 1e-9 for row in acc)
-    assert all(c["kind"] == "static" and c["tokens_per_step"] >= 1 for c in saved["candidates"])  # replayed
-    assert set(saved["latency"]) >= {"1", "2", "4", "8", "9"}  # 8 nodes + root measured too
-    assert saved["best"]["choices"] == report["best"]["choices"]
-    best = saved["best"]["choices"]
-    assert best == grow_tree(acc, saved["best"]["size"])
-    assert json.loads((heads / "tree.json").read_text())["choices"] == best
-    reloaded = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
-    assert reloaded.config.choices == best  # used by default from now on
+    table = AcceptanceTable.load(heads)
+    steps = [sum(c.steps[b] for c in table.greedy) for b in range(len(table.buckets))]
+    busiest = saved["fit"]["buckets"][steps.index(max(steps))]
+    assert report["fallback_tree"] == busiest["tree"]  # the fit's tree where the table measured most
+    config = json.loads((heads / "medusa_config.json").read_text())
+    assert config["tree"] == report["fallback_tree"] and "dtype_trees" not in config
+    assert not (heads / "tree.json").exists()
+    model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
+    assert tree_json(model.choices) == report["fallback_tree"]  # decoding without a fit
+    fit = model.fit_hardware(progress=False)
+    assert fit.cache_hit and fit.fallback_tree() == report["fallback_tree"]  # the same probe, the same choice
     # a second run reuses the cached continuations (they depend on the target only): same accuracies
-    again = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2", "--latency-tokens", "1,3", "--dry-run",
+    again = run("--max-new-tokens", "16", "--topk", "3", "--sample-temperature", "0", "--dry-run",
                 "--continuations", str(tmp_path / "cont.json"))
     assert [row[:3] for row in again["accuracy"]["accuracies"]] == [row[:3] for row in acc]
-    # a bf16 calibration adds the bf16 tree; fp32 keeps its own (sizes 1,2 cannot give the 8-node fp32 tree)
-    run("--dtype", "bf16", "--max-new-tokens", "16", "--topk", "3", "--sizes", "1,2", "--latency-tokens", "1,3",
-        "--lookup", "")  # (a lookup branch could win on timing: not what this checks)
-    config = json.loads((heads / "medusa_config.json").read_text())
-    assert set(config["dtype_trees"]) == {"float32", "bfloat16"} and config["dtype_trees"]["float32"] == best
-    assert len(config["dtype_trees"]["bfloat16"]) <= 2 and (heads / "calibration-bf16.json").is_file()
-    assert MedusaModel.from_pretrained(load_target(target_dir, dtype="bf16")[0], heads).choices == \
-        config["dtype_trees"]["bfloat16"]
-    assert MedusaModel.from_pretrained(load_target(target_dir)[0], heads).choices == best
-    assert set(json.loads((heads / "tree.json").read_text())["calibration"]) == {"float32", "bfloat16"}
+    # --fallback-only: the table stays as it is, only the fit runs again
+    before = (heads / "acceptance.json").read_bytes()
+    only = run("--fallback-only")
+    assert (heads / "acceptance.json").read_bytes() == before and "accuracy" not in only
+    assert json.loads((heads / "medusa_config.json").read_text())["tree"] == only["fallback_tree"]
 
 
-def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path):
-    _, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2), {320: "summarize"}, std=None)
+def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path, monkeypatch):
+    _, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2), {320: "summarize"}, std=None,
+                                     monkeypatch=monkeypatch)
     before = {p.name: p.read_bytes() for p in heads.iterdir()}
-    report = run("--max-new-tokens", "8", "--topk", "2", "--sizes", "1,2", "--latency-tokens", "1,3", "--dry-run",
+    report = run("--max-new-tokens", "8", "--topk", "2", "--sample-prompts", "1", "--dry-run",
                  "--save-tree", str(tmp_path / "tree.json"))
     assert report["written"] is False
-    assert tree_json(load_tree(tmp_path / "tree.json")) == report["best"]["choices"]  # static, or with a lookup branch
+    assert tree_json(load_tree(tmp_path / "tree.json")) == report["fallback_tree"]
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
+    with pytest.raises(SystemExit, match="no acceptance table"):
+        run("--fallback-only")
+
+
+def test_configs_of_0_1_read_their_fp32_tree_as_the_fallback(tmp_path):
+    """Heads saved by 0.1 carry per-dtype trees (``dtype_trees``) and ``tree.json``: their fp32 greedy tree (what the
+    CPU decoded with) becomes the fallback, with no warning about the retired key."""
+    import warnings
+
+    legacy = {"num_heads": 2, "head_type": "hydra", "tree": None,
+              "dtype_trees": {"float32": [[0], [1]], "bfloat16": [[0]], "float32:sample": []}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = MedusaConfig.from_dict(legacy, strict=False)
+    assert config.tree == [[0], [1]] and not hasattr(config, "dtype_trees")
+    assert MedusaConfig.from_dict({**legacy, "tree": [[0]]}).tree == [[0]]  # a stored tree wins
 
 
 def test_measure_head_accuracy_matches_batched_heads(tmp_path):
@@ -181,51 +170,14 @@ def test_hydra_ranked_proposals_match_what_decoding_drafts_on_the_true_path(tmp_
             assert second[2] == ranked[1, t, 0]
 
 
-def test_calibrate_hydra_replays_dynamic_trees(tmp_path):
-    """Hydra heads: dynamic trees are candidates, scored by replaying them on the target's continuations."""
-    from medusa_lite.tree import DynamicTree, load_tree
-
-    _, _, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type="hydra"), {160: "write a story"})
-    report = run("--max-new-tokens", "16", "--topk", "3", "--sizes", "1,4", "--latency-tokens", "1,5", "--stride", "1",
-                 "--dry-run", "--save-tree", str(tmp_path / "best.json"))
-    kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
-    assert ("dynamic", 4) in kinds and ("static", 1) in kinds
-    assert {"static+lookup", "dynamic+lookup"} <= {kind for kind, _ in kinds}
-    assert all(1 <= c["tokens_per_step"] <= 3 and c["draft_ms"] > 0 for c in report["candidates"])
-    tree = load_tree(tmp_path / "best.json")
-    assert (isinstance(tree, DynamicTree)) == (report["best"]["kind"] == "dynamic")
-
-
-def test_calibrate_sampling_tree_is_stored_next_to_the_greedy_one(tmp_path):
-    """``--temperature``: candidate trees are run with sampling; the winner becomes the dtype's sampling tree,
-    which sampled ``generate`` uses while greedy keeps its own."""
-    target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type="hydra", tree=[[0]]),
-                                              {160: "write a story", 400: "what is it"})
-    report = run("--temperature", "1.0", "--max-new-tokens", "12", "--topk", "3", "--latency-tokens", "1,3",
-                 "--sample-sizes", "2,4", "--sample-lookup", "0,3")
-    assert report["decoding"] == "sampling T=1.0" and (heads / "calibration-sampling.json").is_file()
-    kinds = [(c["kind"], c["size"]) for c in report["candidates"]]
-    assert kinds == [("current", 1), ("none", 0), ("static", 2), ("static+lookup", 5), ("static", 4),
-                     ("static+lookup", 7)]
-    assert all(1 <= c["tokens_per_step"] <= 4 and c["tokens_per_second"] > 0 for c in report["candidates"])  # depth <= 3
-    config = json.loads((heads / "medusa_config.json").read_text())
-    assert config["tree"] == [[0]] and config["dtype_trees"] == {"float32:sample": report["best"]["choices"]}
-    model = MedusaModel.from_pretrained(load_target(target_dir)[0], heads)
-    assert model.choices == [[0]] and tree_json(model.tree_for(sample=True)) == report["best"]["choices"]
-    assert tree_json(MedusaModel.from_pretrained(load_target(target_dir, dtype="bf16")[0], heads).tree_for(True)) == [[0]]
-
-
 @pytest.mark.parametrize("head_type", ["hydra", "eagle3"])
 def test_calibrate_acceptance_table_feeds_the_hardware_fit(tmp_path, monkeypatch, head_type):
-    """``--acceptance``: every candidate replayed (greedy) and run (sampling) per context bucket, written as the
-    heads' acceptance table; loading the heads then fits the tree to this machine (probe cached). The replay
-    moves the drafter's state (an eagle3 drafter's own cache) along the truth as decoding does."""
-    from medusa_lite.fit import AcceptanceTable
-
-    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path / "cache"))
+    """Every candidate replayed (greedy; Hydra heads' dynamic trees among them) and run (sampling) per context
+    bucket, written as the heads' acceptance table; loading the heads then fits the tree to this machine (probe
+    cached). The replay moves the drafter's state (an eagle3 drafter's own cache) along the truth as decoding does."""
     target_dir, heads, run = _calibrate_setup(tmp_path, MedusaConfig(num_heads=2, head_type=head_type),
-                                              {160: "write a story", 400: "what is it"})
-    run("--acceptance", "--max-new-tokens", "12", "--topk", "3", "--sample-prompts", "1")
+                                              {160: "write a story", 400: "what is it"}, monkeypatch=monkeypatch)
+    run("--max-new-tokens", "12", "--topk", "3", "--sample-prompts", "1")
     table = AcceptanceTable.load(heads)
     assert table.buckets == [0, 256, 1024] and table.sample_temperature == 1.0
     trees = [c.tree for c in table.greedy]

@@ -153,14 +153,11 @@ def test_eagle3_default_trees_grow_when_greedy_and_draw_a_static_tree_when_sampl
     from medusa_lite.tree import parse_tree, truncate
 
     config = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 5})
-    grown = parse_tree(config.choices_for("bfloat16"), config.num_heads)
+    grown = parse_tree(config.choices_for(), config.num_heads)
     assert grown == DynamicTree(nodes=16, depth=4, topk=4, expand=4, min_prob=0.1)
-    assert config.choices_for("float32", sample=True) == truncate(DEFAULT_TREE, 4)  # drafted tokens are sampled
-    calibrated = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 5,
-                                         "dtype_trees": {"bfloat16:sample": [[0]]}})
-    assert calibrated.choices_for("bfloat16", sample=True) == [[0]]
+    assert config.choices_for(sample=True) == truncate(DEFAULT_TREE, 4)  # drafted tokens are sampled
     own = MedusaConfig.from_dict({"head_type": "eagle3", "num_heads": 3, "tree": [[0], [1]]})
-    assert own.choices_for("bfloat16") == own.choices_for("bfloat16", sample=True) == [[0], [1]]
+    assert own.choices_for() == own.choices_for(sample=True) == [[0], [1]]
 
 
 @pytest.mark.parametrize("layout", ["vllm", "specforge"])

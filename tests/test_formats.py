@@ -11,7 +11,7 @@ from conftest import random_heads, tiny_model
 from safetensors.torch import load_file
 
 from medusa_lite import HeadsMismatchError, MedusaConfig, MedusaModel
-from medusa_lite.config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME
+from medusa_lite.config import CONFIG_NAME, WEIGHTS_NAME
 
 
 def _trained(model: MedusaModel) -> MedusaModel:
@@ -25,7 +25,7 @@ def test_round_trip(tmp_path, share):
     tree = [[0], [1], [0, 0]]
     model = _trained(MedusaModel(target, MedusaConfig(num_heads=3, num_layers=2, share_lm_head=share, tree=tree)))
     model.save_pretrained(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME, TREE_NAME])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     saved = load_file(str(tmp_path / WEIGHTS_NAME))
     assert not any("base_model" in k or "embed" in k for k in saved)
     assert any("lm_heads" in k for k in saved) == (not share)

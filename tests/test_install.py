@@ -98,8 +98,7 @@ def test_installed_train_bench_calibrate_export_run(installed):
     questions = work / "q.jsonl"  # Spec-Bench's last questions outgrow the tiny target's 512-token context
     questions.write_text(json.dumps({"question_id": 161, "turns": ["w1 w2 w3"]}) + "\n")
     _run([cli, "calibrate", "--heads", heads, "--target", target, "--questions", questions, "--per-task", "1",
-          "--max-new-tokens", "8",
-          "--sizes", "1,2", "--latency-tokens", "1,2,3", "--lookup", "", "--repeats", "1", "--cache-len", "16",
+          "--max-new-tokens", "8", "--sample-prompts", "1", "--probe-budget", "2",
           "--threads", "1", "--dry-run", "--out", "calibration.json"], cwd=work)
     assert (work / "calibration.json").is_file()
     _run([cli, "export-vllm", heads, "vllm", "--target", target, "--dtype", "fp32"], cwd=work)

@@ -68,6 +68,8 @@ def test_command_settings():
     assert bench(["--methods", "pld,medusa"]).methods == ("plain", "pld", "medusa")  # plain is the reference
     with pytest.raises(SettingsError, match="unknown"):
         bench(["--methods", "fast"])
-    assert calibrate(["--sizes", "4,8", "--latency-tokens", "2"]).latency_tokens == (1, 2, 9)
+    assert calibrate(["--fallback-only", "--probe-budget", "2"]).fallback_only is True
+    with pytest.raises(SettingsError, match="unrecognized"):  # 0.1's offline tree chooser is gone: one path, the fit
+        calibrate(["--temperature", "1.0"])
     assert demo(["--no-fit", "--max-new-tokens", "16"]).fit is False
     assert demo(["--threads", "1"]).threads == 1 and demo([]).threads is None

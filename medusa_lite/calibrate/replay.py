@@ -1,6 +1,5 @@
 """Measured acceptance: trees replayed on the target's own greedy continuations (:func:`replay_acceptance`) or run
-with sampling (:func:`measure_sampling`), per context bucket; the continuations themselves (:func:`continuations`);
-and the verify latency by tree tokens (:func:`measure_forward_latency`, timed by the fit's one timing routine).
+with sampling (:func:`measure_sampling`), per context bucket, and the continuations themselves (:func:`continuations`).
 
 :func:`replay_acceptance` drafts from every position of the continuations exactly as decoding would and walks the
 tree against the true continuation (what greedy verification would accept there). It scores any tree, including
@@ -10,51 +9,17 @@ dynamic ones (EAGLE-2 style) the independence formula cannot, and times the draf
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from .._hf import cache_kwarg
-from ..kv import new_cache
 from ..fit import BUCKETS, bucket_of
-from ..fit.probe import overhead_per_step, verify_seconds
+from ..fit.probe import overhead_per_step
 from ..specbench import chat_prompt
-from ..tree import TreeSpec, build_buffers, chain, tree_json
+from ..tree import TreeSpec, tree_json
 from ..verify import accept
 from .accuracy import drafter_inputs
-
-DEFAULT_LATENCY_TOKENS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-
-
-@torch.no_grad()
-def measure_forward_latency(target, tokens=DEFAULT_LATENCY_TOKENS, cache_len: int = 256, repeats: int = 5,
-                            seed: int = 0) -> dict[int, dict[str, float]]:
-    """Seconds for one cached tree-verify forward of N new tokens, for each N in ``tokens``.
-
-    The cache holds ``cache_len`` random tokens; each forward uses a tree attention mask and explicit
-    position ids (as in verification) with hidden states returned, then the cache is cropped back.
-    Sizes are interleaved across repeats so machine noise spreads evenly. Returns
-    ``{N: {"median": s, "min": s}}``.
-    """
-    device = target.get_output_embeddings().weight.device
-    vocab = target.get_output_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    cache = new_cache(target)
-    kw = cache_kwarg(target)
-    prefix = torch.randint(0, vocab, (1, cache_len), generator=gen).to(device)
-    target(input_ids=prefix, use_cache=True, return_dict=True, **{kw: cache})
-    times: dict[int, list[float]] = {int(n): [] for n in tokens}
-    for rep in range(repeats + 1):  # repeat 0 is a warm-up
-        for n in times:
-            buffers = build_buffers(chain(n - 1), device)
-            ids = torch.randint(0, vocab, (n,), generator=gen).to(device)
-            seconds = verify_seconds(target, cache, ids, buffers, cache_len)  # exactly what decoding runs
-            if rep > 0:
-                times[n].append(seconds)
-    return {n: {"median": statistics.median(ts), "min": min(ts)} for n, ts in times.items()}
-
 
 @torch.no_grad()
 def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: TreeSpec, stride: int = 1,

@@ -1,6 +1,6 @@
 """The heads' acceptance table (``acceptance.json``, :class:`medusa_lite.fit.AcceptanceTable`): every candidate tree's
 tokens per step by context bucket, greedy replayed on the target's continuations and sampled run after the prompts.
-Hardware-independent; the library half of ``medusa-lite calibrate --acceptance``."""
+Hardware-independent; the library half of ``medusa-lite calibrate``."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def acceptance_table(model, sequences, acc, questions, args):
             "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
             "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
             "sampled_prompts": len(prompts),
-            "command": "medusa-lite calibrate --acceptance " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+            "command": "medusa-lite calibrate " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
     for c in rows[:3] + sampled[:2]:
         print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
     return AcceptanceTable(buckets=list(BUCKETS), greedy=rows, sample=sampled,

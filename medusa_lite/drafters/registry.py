@@ -50,7 +50,7 @@ class MedusaConfig(HeadsConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         drafter = drafter_class(self.head_type)  # ValueError naming the registered ones
-        if "dynamic" in str(self.tree) + str(self.dtype_trees):
+        if "dynamic" in str(self.tree):
             drafter.require_dynamic_trees()
 
     @classmethod

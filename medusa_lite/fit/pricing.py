@@ -99,6 +99,13 @@ class HardwareFit:
         """Per context bucket, the tree predicted fastest for ``batch`` rows (JSON form; ``[]``: no speculation)."""
         return [ladder[0].tree for ladder in self.batch_ladders(batch)]
 
+    def fallback_tree(self) -> list | dict:
+        """The one tree to store for decoding without a fit (``MedusaConfig.tree``): the fitted tree of the context
+        bucket the acceptance table measured most steps in (where its figures are surest), JSON form."""
+        steps = [sum(c.steps[b] for c in self.candidates) for b in range(len(self.buckets))]
+        bucket = max(range(len(self.buckets)), key=lambda b: (steps[b], -b)) if self.candidates else 0
+        return self.ladders[bucket][0].tree
+
     def summary(self) -> dict:
         """JSON-able: machine, and per bucket the fitted tree with its predicted tokens/s and plain decoding's."""
         rows = []

@@ -113,7 +113,7 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     candidates, else a fresh probe (written to the cache). The kernels are the packed linears
     (:mod:`medusa_lite.kernels`) where they were measured faster, packed once per process."""
     fingerprint = machine_fingerprint(model.device, model.dtype)
-    heads = {k: v for k, v in model.config.to_dict().items() if k not in ("tree", "dtype_trees")}
+    heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
                   json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None)
     measured, hit, packed = None, False, None
