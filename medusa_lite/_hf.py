@@ -10,6 +10,12 @@ _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat
            "fp16": torch.float16, "float16": torch.float16}
 
 
+def output_weight(target) -> torch.Tensor:
+    """The target's output embedding (``lm_head``) weight: its device and dtype are where and in what the model
+    computes."""
+    return target.get_output_embeddings().weight
+
+
 def text_config(config):
     """The decoder's config (multimodal configs nest it; plain LM configs are their own)."""
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

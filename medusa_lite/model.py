@@ -10,15 +10,16 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ._hf import context_length, text_config
+from ._hf import context_length, output_weight, text_config
 from .kv import check_model
-from .decode import GenerationStats, GrownTree, PromptLookup, Sequence, SpeculativeBatch, StaticTree, run_batch
+from .decode import (BatchGuards, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch, SpeedGuard,
+                     make_plan, run_batch)
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
-from .fit import AcceptanceTable, BatchGuards, FitSession, FittedPlan, HardwareFit, SpeedGuard
+from .fit import AcceptanceTable, FitSession, HardwareFit
 from .heads_io import (HeadsMismatchError, check_fingerprint, load_weights, read_heads, resolve_heads_dir, save_heads,
                        target_fingerprint)
 from .sampling import DraftSampler, build_warpers, check_supported
-from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree, tree_key
+from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree
 
 
 class MedusaModel(nn.Module):
@@ -100,7 +101,7 @@ class MedusaModel(nn.Module):
     # ------------------------------------------------------------------ properties
     @property
     def heads_device(self) -> torch.device:
-        return self.base_model.get_output_embeddings().weight.device
+        return output_weight(self.base_model).device
 
     @property
     def device(self) -> torch.device:
@@ -108,7 +109,7 @@ class MedusaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.base_model.get_output_embeddings().weight.dtype
+        return output_weight(self.base_model).dtype
 
     @property
     def generation_config(self) -> GenerationConfig:
@@ -141,11 +142,7 @@ class MedusaModel(nn.Module):
 
         ``sampler`` (sampling mode): static trees draw their tokens from the drafter's distributions;
         dynamic trees and prompt-lookup tokens stay deterministic (one-hot proposals)."""
-        if isinstance(tree, WithLookup):
-            return PromptLookup(self.plan(tree.tree, sampler), tree.tokens, tree.ngram)
-        if isinstance(tree, DynamicTree):
-            return GrownTree(self.drafter, tree)
-        return StaticTree(self.drafter, tree, self.heads_device, sampler)
+        return make_plan(self.drafter, tree, self.heads_device, sampler)
 
     # ------------------------------------------------------------------ hardware fit
     @property
@@ -178,18 +175,6 @@ class MedusaModel(nn.Module):
         ``guard(ladder)`` per bucket (:class:`medusa_lite.fit.SpeedGuard`, or a ``functools.partial`` of it with
         another window) and the verify ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`; None: stock)."""
         self.fits.use(fit, sample, guard=guard, kernels=kernels)
-
-    def _plan_builder(self, sampler: DraftSampler | None):
-        """``tree (JSON form) -> plan`` for one sequence (plans kept per tree), for its batched steps."""
-        plans: dict[str, Any] = {}
-
-        def plan_for(tree):
-            key = tree_key(tree)
-            if key not in plans:
-                plans[key] = self.plan(parse_tree(tree, self.config.num_heads), sampler)
-            return plans[key]
-
-        return plan_for
 
     def batch_guards(self, sample: bool = False, fit: bool | None = None) -> BatchGuards | None:
         """The guards choosing the tree of batched steps (:class:`medusa_lite.fit.BatchGuards`, kept across calls
@@ -268,10 +253,10 @@ class MedusaModel(nn.Module):
             criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
         plan = plan_for = None
-        if tree is None:
-            plan = self.fits.plan(config.do_sample,
-                                  lambda tree: self.plan(parse_tree(tree, self.config.num_heads), sampler), fit)
-            plan_for = self._plan_builder(sampler) if plan is not None else None
+        if tree is None:  # one sequence's plans (each made once) for the trees its guards name
+            plan_for = PlanCache(self.drafter, self.config.num_heads, self.heads_device, sampler)
+            plan = self.fits.plan(config.do_sample, plan_for, fit)
+            plan_for = plan_for if plan is not None else None
         if plan is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
             plan = self.plan(tree, sampler)

@@ -86,3 +86,14 @@ class DraftSampler:
         q = target_probs(logits, self.warpers) + 1e-9  # [M, V']
         q = q / q.sum(dim=-1, keepdim=True)
         return q, torch.multinomial(q, k, replacement=False, generator=self.generator)
+
+
+class TargetRows:
+    """The processed target distribution at each node of a verified tree (``logits`` [N, V], through ``warpers``),
+    float64, computed only for the nodes a walk asks for: ``rows(node) -> [V]``."""
+
+    def __init__(self, logits: torch.Tensor, warpers):
+        self.logits, self.warpers = logits, warpers
+
+    def __call__(self, node: int) -> torch.Tensor:
+        return target_probs(self.logits[node: node + 1], self.warpers)[0].double()

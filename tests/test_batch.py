@@ -200,19 +200,19 @@ def test_batch_trees_shrink_as_the_batch_grows():
 
 def test_batch_guards_share_what_they_learned_across_batch_sizes():
     """A guard for a new batch size starts where the acceptance realized at other sizes predicts fastest."""
-    from medusa_lite.fit import BatchGuards, Candidate
+    from medusa_lite.fit import Candidate, batch_guards
 
     candidates = [Candidate([], [1.0] * 3, [1.0] * 3, [100] * 3), Candidate([[0]], [1.9] * 3, [2.0] * 3, [100] * 3)]
     flat = {256: {n: 0.010 + 0.0001 * n for n in (1, 2, 4, 8, 16, 32, 64)}}
     fit = HardwareFit({}, [[Rung([[0]], 1.9, 0.0102), Rung([], 1.0, 0.0101)]] * 3,
                       measured={"latency": flat, "draft": {}, "overhead": 0.0}, candidates=candidates)
-    guards = BatchGuards(fit)
+    guards = batch_guards(fit)
     assert guards.tree(4, 10) == [[0]]  # nearly flat latency: the 1-node tree is priced best at 4 rows
     for _ in range(3):
         assert guards.tree(4, 10) == [[0]]
         guards.record(4, 4, 0.0102)  # nothing drafted was accepted: 1 token per row and step
     assert guards.tree(2, 10) == []  # a fresh guard for 2 rows starts on the root alone
-    assert BatchGuards(fit).tree(2, 10) == [[0]]  # without that history it starts on the priced best
+    assert batch_guards(fit).tree(2, 10) == [[0]]  # without that history it starts on the priced best
 
 
 def _batch_samples(model, n: int, seed: int = 0, rows: int = BATCH_ROWS, **gen) -> list[tuple[int, ...]]:

@@ -183,3 +183,63 @@ def test_files_and_functions_a_reader_can_hold():
         long_functions += [key for key, length in _long_functions(path, rel).items() if length > MAX_FUNCTION_LINES]
     assert long_files == [], f"files over {MAX_FILE_LINES} lines"
     assert long_functions == [], f"functions over {MAX_FUNCTION_LINES} lines"
+
+
+# ------------------------------------------------------------------ one descent per generate() call
+def _package(module: str) -> str:
+    """The unit a call path is checked at: ``medusa_lite.decode.batch`` -> ``medusa_lite.decode``."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def _call_paths(run) -> set[tuple[str, ...]]:
+    """Every distinct stack of medusa_lite packages (outermost first, repeats of one package collapsed, frames of
+    other libraries skipped) seen while ``run()`` executes."""
+    import sys
+
+    paths: set[tuple[str, ...]] = set()
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        stack, f = [], frame
+        while f is not None:
+            name = f.f_globals.get("__name__", "")
+            if name.startswith("medusa_lite") and (not stack or stack[-1] != _package(name)):
+                stack.append(_package(name))
+            f = f.f_back
+        paths.add(tuple(reversed(stack)))
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return paths
+
+
+def test_a_generate_call_descends_without_returning_to_a_package_it_left(tmp_path, monkeypatch):
+    """``generate`` calls visit each package once on the way down: the first one fits this machine (the probe), the
+    next ones decode with fitted plans whose guards move every step, batch-1 and batched rows, greedy and sampling.
+    Neither the loop nor the fit calls back into a package above it (the facade, the fit)."""
+    import torch
+    from test_fit import ADAPTIVE_TREES, _hydra_model, restless_fit
+
+    from medusa_lite.fit import CyclingGuard
+
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    model = _hydra_model()
+    prompt = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model.generate(prompt, max_new_tokens=12, do_sample=False)  # fits (probes) first
+        for sample in (False, True):
+            model.use_fit(restless_fit(ADAPTIVE_TREES), sample=sample, guard=CyclingGuard)
+        model.generate(prompt, max_new_tokens=12, do_sample=False)
+        model.generate(prompt, max_new_tokens=12, do_sample=True, num_return_sequences=3)
+
+    paths = _call_paths(run)
+    assert any(p[:3] == ("medusa_lite.model", "medusa_lite.decode", "medusa_lite.drafters") for p in paths)  # the loop
+    assert any(p[:3] == ("medusa_lite.model", "medusa_lite.fit", "medusa_lite.decode") for p in paths)  # the probe
+    returns = sorted(p for p in paths if len(set(p)) < len(p))
+    assert not returns, f"call paths that return to a package they left: {returns[:5]}"

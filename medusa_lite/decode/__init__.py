@@ -1,12 +1,15 @@
 """Decoding: target forwards that return their timing (:mod:`.forward`), plans (:mod:`.plans`), one row
-(:mod:`.sequence`) and the loop over a batch of rows (:mod:`.batch`). Knows about fitting only through the plan
-it is given and the step report it returns (see :mod:`.plans`)."""
+(:mod:`.sequence`), the loop over a batch of rows (:mod:`.batch`) and the guards that adapt the tree to realized
+speed (:mod:`.adaptive`). Knows about fitting only through the ladders it is given (data the fit priced) and the
+step report it returns (see :mod:`.plans`); it never calls the fit."""
 
+from .adaptive import BUCKETS, BatchGuards, CyclingGuard, FittedPlan, Rung, SpeedGuard, bucket_of
 from .batch import SpeculativeBatch, run_batch, speculative_generate
 from .forward import prefill, verify_forward, verify_rows
-from .plans import BatchPlanner, GrownTree, Plan, PromptLookup, StaticTree, first_nodes
+from .plans import BatchPlanner, GrownTree, Plan, PlanCache, PromptLookup, StaticTree, first_nodes, make_plan
 from .sequence import GenerationStats, Sequence, Stopper
 
-__all__ = ["BatchPlanner", "GenerationStats", "GrownTree", "Plan", "PromptLookup", "Sequence", "SpeculativeBatch",
-           "StaticTree", "Stopper", "first_nodes", "prefill", "run_batch", "speculative_generate", "verify_forward",
+__all__ = ["BUCKETS", "BatchGuards", "BatchPlanner", "CyclingGuard", "FittedPlan", "GenerationStats", "GrownTree", "Plan",
+           "PlanCache", "PromptLookup", "Rung", "Sequence", "SpeculativeBatch", "SpeedGuard", "StaticTree", "Stopper",
+           "bucket_of", "first_nodes", "make_plan", "prefill", "run_batch", "speculative_generate", "verify_forward",
            "verify_rows"]

@@ -1,8 +1,8 @@
 """Plans: which tree the drafter fills at a step. A plan is called with the drafter's state and the deepest depth
 allowed and returns one :class:`~medusa_lite.drafters.Draft` per row.
 
-This is all the loop knows about choosing trees. A plan that learns from the steps it planned (the hardware fit's,
-:class:`medusa_lite.fit.FittedPlan`) also has ``record(tokens, seconds)``, which the loop calls after each step
+This is all the loop knows about choosing trees. A plan that learns from the steps it planned (the fitted one,
+:class:`medusa_lite.decode.adaptive.FittedPlan`) also has ``record(tokens, seconds)``, which the loop calls after each step
 verified alone (the *step report*: tokens emitted, wall seconds), and ``report() -> dict``, which ends up in
 ``GenerationStats.fitted``. Steps that verify several rows together take their tree from a
 :class:`BatchPlanner` instead.
@@ -16,14 +16,15 @@ from typing import Callable, Protocol
 import torch
 
 from ..drafters import Draft, Drafter, DraftState
-from ..tree import DynamicTree, TreeBuffers, buffers_from_parents, build_buffers, lookup_continuation, merge_chain, truncate
+from ..tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers,
+                    lookup_continuation, merge_chain, parse_tree, tree_key, truncate)
 
 # A step's plan: which tree the drafter fills this step. (drafter state, deepest allowed depth) -> one Draft per row
 Plan = Callable[[DraftState, int], list[Draft]]
 
 
 class BatchPlanner(Protocol):
-    """The tree of steps that verify B > 1 rows together (e.g. :class:`medusa_lite.fit.BatchGuards`), decided by
+    """The tree of steps that verify B > 1 rows together (e.g. :class:`~.adaptive.BatchGuards`), decided by
     finished steps only: :meth:`tree` before any row drafts, :meth:`record` after the step."""
 
     def tree(self, batch: int, context: int): ...
@@ -88,6 +89,32 @@ class PromptLookup:
         # the added nodes come last: their proposals are one-hot (Proposals.at)
         return Draft(torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device),
                      draft.proposals)
+
+
+def make_plan(drafter: Drafter, tree: TreeSpec, device: torch.device, sampler=None) -> Plan:
+    """The per-step plan of ``tree``: a static tree the drafter fills, a tree it grows each step (:class:`DynamicTree`),
+    either plus a prompt-lookup branch. ``sampler`` (sampling mode): static trees draw their tokens from the drafter's
+    distributions; dynamic trees and prompt-lookup tokens stay deterministic (one-hot proposals)."""
+    if isinstance(tree, WithLookup):
+        return PromptLookup(make_plan(drafter, tree.tree, device, sampler), tree.tokens, tree.ngram)
+    if isinstance(tree, DynamicTree):
+        return GrownTree(drafter, tree)
+    return StaticTree(drafter, tree, device, sampler)
+
+
+class PlanCache:
+    """``tree (JSON form) -> plan``, each plan made once (:func:`make_plan`): one sequence's plans for the trees its
+    fitted plan and its batched steps name."""
+
+    def __init__(self, drafter: Drafter, num_heads: int, device: torch.device, sampler=None):
+        self.drafter, self.num_heads, self.device, self.sampler = drafter, num_heads, device, sampler
+        self._plans: dict[str, Plan] = {}
+
+    def __call__(self, tree) -> Plan:
+        key = tree_key(tree)
+        if key not in self._plans:
+            self._plans[key] = make_plan(self.drafter, parse_tree(tree, self.num_heads), self.device, self.sampler)
+        return self._plans[key]
 
 
 def first_nodes(draft: Draft, n: int) -> Draft:

@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from ..drafters import Draft
-from ..sampling import build_warpers, target_probs
+from ..sampling import TargetRows, build_warpers, target_probs
 from ..tree import TreeBuffers
 from ..verify import accept, greedy_choice, sample_choice, sample_walk
 from .plans import Plan
@@ -153,11 +153,7 @@ class Sequence:
         tokens, buffers, proposals = draft
         if not self.config.do_sample:
             return accept(tokens, greedy_choice(logits), buffers.paths)
-
-        def target_at(node: int) -> torch.Tensor:  # only the walked nodes' rows are processed
-            return target_probs(logits[node: node + 1], self.warpers)[0].double()
-
-        return sample_walk(tokens, buffers.parents, target_at, proposals, self.generator)
+        return sample_walk(tokens, buffers.parents, TargetRows(logits, self.warpers), proposals, self.generator)
 
     def extend(self, tokens: list[int], logits: torch.Tensor) -> None:
         """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only.

@@ -14,21 +14,23 @@ Calibration has two halves:
 ``tokens_per_step / (latency(nodes, context) + drafting + bookkeeping)``; the root alone (plain decoding
 in the loop) is always a candidate, so the fitted tree is never predicted slower than no speculation.
 The result per bucket is a *ladder*: the candidates predicted faster than plain decoding, fastest
-first, ending with the root alone. :class:`SpeedGuard` walks that ladder while decoding when the
-realized speed disagrees with the prediction.
+first, ending with the root alone. The ladders are handed down to decoding as data (ladders for batched steps
+priced ahead for every batch size), where :class:`~medusa_lite.decode.SpeedGuard` walks them when the realized
+speed disagrees with the prediction: decoding never calls back into the fit.
 
-Modules, each using only those before it: :mod:`.latency` (buckets, the latency model), :mod:`.table` (the shipped
-acceptance table), :mod:`.pricing` (ladders, :class:`HardwareFit`), :mod:`.guard` (the online guards and
-:class:`FittedPlan`), :mod:`.probe` (the measurements), :mod:`.store` (their cache), :mod:`.session` (one model's
-fits per decoding mode, dtype and device).
+Modules, each using only those before it: :mod:`.latency` (the latency model), :mod:`.table` (the shipped
+acceptance table), :mod:`.pricing` (ladders, :class:`HardwareFit`), :mod:`.probe` (the measurements),
+:mod:`.store` (their cache), :mod:`.session` (one model's fits per decoding mode, dtype and device, and the
+guards and plans made from them).
 """
 
-from .guard import BatchGuards, CyclingGuard, FittedPlan, SpeedGuard
+from ..decode.adaptive import BatchGuards, CyclingGuard, FittedPlan, Rung, SpeedGuard  # what the ladders drive
 from .latency import BUCKETS, bucket_contexts, bucket_of, interpolate_latency, latency_at, max_tokens, monotone_latency
-from .pricing import MAX_RUNGS, PLAIN, HardwareFit, Rung, fit_trees
-from .session import FitSession, FitState
+from .pricing import MAX_RUNGS, PLAIN, PRICED_BATCHES, HardwareFit, fit_trees
+from .session import FitSession, FitState, batch_guards
 from .table import ACCEPTANCE_NAME, AcceptanceTable, Candidate
 
 __all__ = ["ACCEPTANCE_NAME", "AcceptanceTable", "BUCKETS", "BatchGuards", "Candidate", "CyclingGuard", "FitSession",
-           "FitState", "FittedPlan", "HardwareFit", "MAX_RUNGS", "PLAIN", "Rung", "SpeedGuard", "bucket_contexts",
+           "FitState", "FittedPlan", "HardwareFit", "MAX_RUNGS", "PLAIN", "PRICED_BATCHES", "Rung", "SpeedGuard", "batch_guards",
+           "bucket_contexts",
            "bucket_of", "fit_trees", "interpolate_latency", "latency_at", "max_tokens", "monotone_latency"]

@@ -3,16 +3,7 @@ length, interpolated from measured points. Pure: numbers in, numbers out."""
 
 from __future__ import annotations
 
-BUCKETS = (0, 256, 1024)            # context-length buckets: [0, 256), [256, 1024), [1024, ...)
-
-
-def bucket_of(context: int, buckets=BUCKETS) -> int:
-    """Index of the bucket holding a cache of ``context`` tokens."""
-    index = 0
-    for i, lo in enumerate(buckets):
-        if context >= lo:
-            index = i
-    return index
+from ..decode.adaptive import BUCKETS, bucket_of  # noqa: F401 - the buckets decoding's guards read (home: decode)
 
 
 def bucket_contexts(buckets=BUCKETS) -> list[float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..decode.adaptive import Rung
 from ..machine import describe
 from ..tree import parse_tree, tree_key, tree_nodes
 from .latency import BUCKETS, bucket_contexts, latency_at, max_tokens
@@ -13,19 +14,7 @@ from .table import Candidate
 
 PLAIN = []                          # the root alone: plain decoding inside the speculative loop
 MAX_RUNGS = 4                       # candidate trees kept per ladder (plus the root alone)
-
-
-@dataclass
-class Rung:
-    """One tree of a bucket's ladder and its prediction on this machine."""
-
-    tree: list | dict
-    tokens_per_step: float
-    step_seconds: float
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens_per_step / self.step_seconds
+PRICED_BATCHES = (*range(2, 17), 24, 32, 48, 64)  # batch sizes priced ahead for decoding (between two: the smaller)
 
 
 def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]], draft_seconds: dict[str, float],
@@ -94,6 +83,11 @@ class HardwareFit:
             self._batch_ladders[batch] = fit_trees(self.candidates, self.measured["latency"], self.measured["draft"],
                                                    self.measured["overhead"], self.buckets, batch=batch)
         return self._batch_ladders[batch]
+
+    def priced_batches(self) -> dict[int, list[list[Rung]]]:
+        """The ladders of every batch size in :data:`PRICED_BATCHES`, what :class:`~medusa_lite.decode.BatchGuards`
+        walks (priced here, ahead, so that decoding never calls back into the fit)."""
+        return {batch: self.batch_ladders(batch) for batch in PRICED_BATCHES}
 
     def batch_trees(self, batch: int) -> list:
         """Per context bucket, the tree predicted fastest for ``batch`` rows (JSON form; ``[]``: no speculation)."""

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from .._hf import cache_kwarg
+from .._hf import cache_kwarg, output_weight
 from ..kv import extend_cache, new_cache
-from ..decode import speculative_generate, verify_forward
+from ..decode import make_plan, speculative_generate, verify_forward
 from ..drafters import drafter_features
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes
 
@@ -49,7 +49,7 @@ def overhead_per_step(stats: list) -> float:
 
 def step_overhead(model, prompt: torch.Tensor) -> float:
     """The loop's own per-step bookkeeping (seconds outside target forwards): a few steps of plain decoding."""
-    _, stats = speculative_generate(model.base_model, model.drafter, model.plan([]), prompt, _greedy_config(),
+    _, stats = speculative_generate(model.base_model, model.drafter, make_plan(model.drafter, [], output_weight(model.base_model).device), prompt, _greedy_config(),
                                     max_new_tokens=9)
     return overhead_per_step([stats])
 
@@ -129,13 +129,14 @@ def _measure_latency(model, prompt, sizes, lat: _Latency, bar, deadline: float, 
 def draft_seconds(model, candidates: list, state, sampler=None) -> dict[str, float]:
     """Per candidate tree (by :func:`~medusa_lite.tree.tree_key`), the faster of two drafting calls from ``state``."""
     draft: dict[str, float] = {}
+    device = output_weight(model.base_model).device
     for tree in candidates:
-        plan = model.plan(parse_tree(tree, model.config.num_heads), sampler)
+        plan = make_plan(model.drafter, parse_tree(tree, model.config.num_heads), device, sampler)
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             plan(state, 8)
-            _sync(model.device)
+            _sync(device)
             times.append(time.perf_counter() - t0)
         draft[tree_key(tree)] = min(times)
     return draft
@@ -166,7 +167,7 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     sizes = [n for n in PROBE_TOKENS if n < largest] + [next((n for n in PROBE_TOKENS if n >= largest), largest)]
     bar = tqdm(total=len(sizes) + 4 + 2, desc="medusa_lite: fitting speculation to this machine",
                disable=not progress, leave=False, file=sys.stderr)
-    prompt = torch.randint(0, vocab, (16,), generator=gen).to(model.device)
+    prompt = torch.randint(0, vocab, (16,), generator=gen).to(output_weight(model.base_model).device)
     overhead = step_overhead(model, prompt)
     bar.update(1)
     phases = {"overhead": time.perf_counter() - start}

@@ -11,10 +11,10 @@ from typing import Callable
 
 from transformers import GenerationConfig
 
-from ..decode import Plan
+from .._hf import output_weight
+from ..decode import BatchGuards, FittedPlan, Plan, SpeedGuard, make_plan
 from ..sampling import DraftSampler, build_warpers
 from ..tree import parse_tree
-from .guard import BatchGuards, FittedPlan, SpeedGuard
 from .pricing import HardwareFit, fit_trees
 from .probe import DEFAULT_BUDGET_S
 from .store import load_or_probe
@@ -42,7 +42,8 @@ class FitSession:
 
     def key(self, sample: bool) -> tuple:
         """Fits are kept per (sampling, dtype, device)."""
-        return sample, self.model.dtype, self.model.device
+        weight = output_weight(self.model.base_model)  # (the model's own properties: no call back into the facade)
+        return sample, weight.dtype, weight.device
 
     def state(self, sample: bool) -> FitState | None:
         """The fit in use for ``sample`` (None: not fitted yet, or impossible)."""
@@ -81,7 +82,7 @@ class FitSession:
     def _can_draft(self, tree) -> bool:
         """Whether the model's heads can draft ``tree`` (JSON form): deep enough, Hydra heads for a dynamic tree."""
         try:
-            self.model.plan(parse_tree(tree, self.model.config.num_heads))
+            make_plan(self.model.drafter, parse_tree(tree, self.model.config.num_heads), "cpu")
         except ValueError:
             return False
         return True
@@ -89,7 +90,7 @@ class FitSession:
     def use(self, fit: HardwareFit, sample: bool = False, *, guard=SpeedGuard, kernels=None) -> None:
         """See :meth:`medusa_lite.MedusaModel.use_fit`."""
         self._states[self.key(sample)] = FitState(fit, [guard(ladder) for ladder in fit.ladders],
-                                                  BatchGuards(fit, guard), kernels)
+                                                  batch_guards(fit, guard), kernels)
 
     def _active(self, sample: bool, fit: bool | None) -> FitState | None:
         if fit is False or (fit is None and not self.enabled):
@@ -113,3 +114,8 @@ class FitSession:
     def kernels(self, sample: bool):
         state = self.state(sample)
         return None if state is None else state.kernels
+
+
+def batch_guards(fit: HardwareFit, guard=SpeedGuard) -> BatchGuards:
+    """Guards for batched steps over ``fit``'s ladders, priced ahead for every batch size decoding may meet."""
+    return BatchGuards(fit.buckets, fit.priced_batches(), guard)

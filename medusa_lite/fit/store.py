@@ -14,6 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .._hf import output_weight
 from .._version import __version__
 from ..kernels import PackedLinears, VerifyKernels, packing_available
 from ..machine import machine_fingerprint
@@ -112,7 +113,8 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
     candidates, else a fresh probe (written to the cache). The kernels are the packed linears
     (:mod:`medusa_lite.kernels`) where they were measured faster, packed once per process."""
-    fingerprint = machine_fingerprint(model.device, model.dtype)
+    weight = output_weight(model.base_model)
+    fingerprint = machine_fingerprint(weight.device, weight.dtype)
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
                   json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None)

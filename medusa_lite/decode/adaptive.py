@@ -1,18 +1,46 @@
-"""The online guards: while decoding, compare realized with predicted speed and move along a bucket's ladder
-(:class:`SpeedGuard`; :class:`BatchGuards` for steps of several rows), and the plan that drafts each step with the
-tree its guard names (:class:`FittedPlan`, the decoding loop's only contact with the fit)."""
+"""Decoding that adapts to the machine: the online guards that compare realized with predicted speed and move along a
+context bucket's *ladder* of trees (:class:`SpeedGuard`; :class:`BatchGuards` for steps of several rows), and the
+plan that drafts each step with the tree its guard names (:class:`FittedPlan`).
+
+The ladders are data the hardware fit (:mod:`medusa_lite.fit`) prices and hands down: a list of :class:`Rung` per
+context bucket. Nothing here calls back into the fit, so one ``generate`` call descends model -> fit (the ladders,
+once) and model -> decode, never returning up a layer while decoding.
+"""
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
-from ..decode import Plan
 from ..drafters import Draft, DraftState
 from ..tree import tree_key
-from .latency import bucket_of
-from .pricing import HardwareFit, Rung
+from .plans import Plan
+
+BUCKETS = (0, 256, 1024)            # context-length buckets: [0, 256), [256, 1024), [1024, ...)
+
+
+def bucket_of(context: int, buckets=BUCKETS) -> int:
+    """Index of the bucket holding a cache of ``context`` tokens."""
+    index = 0
+    for i, lo in enumerate(buckets):
+        if context >= lo:
+            index = i
+    return index
+
+
+@dataclass
+class Rung:
+    """One tree of a bucket's ladder and its prediction on this machine."""
+
+    tree: list | dict
+    tokens_per_step: float
+    step_seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
 
 
 class SpeedGuard:
@@ -112,9 +140,11 @@ class CyclingGuard(SpeedGuard):
 
 
 class BatchGuards:
-    """The tree of steps that verify B > 1 rows together: per (batch size, context bucket) the ladder
-    :meth:`HardwareFit.batch_ladders` prices, walked by its own guard (``guard(ladder)``, a :class:`SpeedGuard`)
-    on the realized speed of those steps (per row: tokens emitted by all rows / B, step seconds / B).
+    """The tree of steps that verify B > 1 rows together: per (batch size, context bucket) the ladder the fit priced
+    for that many rows (``ladders``: ``{B: ladders per bucket}``, priced ahead for the batch sizes the fit chose;
+    a batch between two of them takes the smaller's), walked by its own guard (``guard(ladder)``, a
+    :class:`SpeedGuard`) on the realized speed of those steps (per row: tokens emitted by all rows / B, step
+    seconds / B).
 
     The batch size changes whenever a request joins or leaves, so what one guard learned is shared: the
     drafted tokens accepted per step on tree rungs, against what their ladders predicted (the last
@@ -125,17 +155,18 @@ class BatchGuards:
     Exactness as for one row: :meth:`tree` depends only on finished steps, so a step's tree is fixed before
     any row drafts it."""
 
-    def __init__(self, fit: HardwareFit, guard=None, window: int = 32):
-        self.fit, self.guard = fit, guard or SpeedGuard
+    def __init__(self, buckets: tuple[int, ...], ladders: dict[int, list[list[Rung]]], guard=None, window: int = 32):
+        self.buckets, self.ladders, self.guard = tuple(buckets), ladders, guard or SpeedGuard
         self._guards: dict[tuple[int, int], SpeedGuard] = {}
         self._last: SpeedGuard | None = None
         self._drafted: deque = deque(maxlen=window)  # (predicted, realized) drafted tokens per row, tree rungs
 
     def tree(self, batch: int, context: int):
         """The tree (JSON form) for the next step of ``batch`` rows whose longest cache holds ``context`` tokens."""
-        key = (batch, bucket_of(context, self.fit.buckets))
+        key = (batch, bucket_of(context, self.buckets))
         if key not in self._guards:
-            guard = self._guards[key] = self.guard(self.fit.batch_ladders(batch)[key[1]])
+            priced = max((b for b in self.ladders if b <= batch), default=min(self.ladders))
+            guard = self._guards[key] = self.guard(self.ladders[priced][key[1]])
             if self._drafted:
                 guard.move(self._best_start(guard.ladder))
         self._last = self._guards[key]
@@ -160,9 +191,9 @@ class BatchGuards:
 
 
 class FittedPlan:
-    """A :data:`Plan` that drafts each step with the tree its context bucket's :class:`~medusa_lite.fit.SpeedGuard`
-    names (a ladder fitted to this machine, :func:`medusa_lite.fit.fit_trees`); :meth:`record` (the loop's
-    ``on_step``) tells the guard how the step went.
+    """A :data:`Plan` that drafts each step with the tree its context bucket's :class:`SpeedGuard` names (a ladder
+    fitted to this machine, :func:`medusa_lite.fit.fit_trees`); :meth:`record` (the loop's ``on_step``) tells the
+    guard how the step went. ``make(tree)``: the plan of a tree (JSON form), e.g. a :class:`~.plans.PlanCache`.
 
     The tree of a step is chosen before the step drafts, from finished steps only, so the step's
     acceptance (greedy walk or rejection sampling) is exact whatever tree the guard picks.
@@ -170,7 +201,6 @@ class FittedPlan:
 
     def __init__(self, make: Callable[[object], Plan], guards: list, buckets: tuple[int, ...]):
         self.make, self.guards, self.buckets = make, guards, buckets
-        self._plans: dict[str, Plan] = {}
         self._bucket = 0
         self.steps_by_tree: dict[str, int] = {}
         self.realized = [[0, 0.0] for _ in guards]  # tokens, seconds per bucket
@@ -180,10 +210,8 @@ class FittedPlan:
         guard = self.guards[self._bucket]
         tree = guard.ladder[guard.rung()].tree
         key = tree_key(tree)
-        if key not in self._plans:
-            self._plans[key] = self.make(tree)
         self.steps_by_tree[key] = self.steps_by_tree.get(key, 0) + 1
-        return self._plans[key](state, max_depth)
+        return self.make(tree)(state, max_depth)
 
     def record(self, tokens: int, seconds: float) -> None:
         self.guards[self._bucket].record(tokens, seconds)
