@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast gpu-check vllm-check install clean
+.PHONY: demo test test-fast gpu-check vllm-check peer-bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ gpu-check: $(STAMP)
 # the drafter's tokens accepted (DRAFTER=dir METHOD=eagle3|medusa K=3)
 vllm-check: $(STAMP)
 	bash .ci/vllm-check
+
+# medusa_lite against vLLM's CPU build, side by side on this machine (opt-in, ~25 min): runs/peer-bench/report.md
+peer-bench: $(STAMP)
+	bash .ci/peer-bench
 
 clean:
 	rm -rf $(VENV) .venv-vllm .pytest_cache build dist *.egg-info

