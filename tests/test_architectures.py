@@ -38,7 +38,7 @@ class Arch:
     name: str            # as in the README table
     model_type: str      # transformers' model_type (AutoConfig.for_model)
     kwargs: dict = field(default_factory=dict)  # on top of BASE (a None value removes a BASE key)
-    attention: str = "full"  # full, sliding or alternating (full + sliding), as configured here
+    attention: str = "full"  # full, sliding, alternating (full + sliding) or chunked (+ full), as configured here
     refused: str | None = None  # the layer type named in the refusal, when refused
 
     def config(self):
@@ -99,6 +99,10 @@ ARCHITECTURES = [
     Arch("GPT-OSS (alternating, MoE, sinks)", "gpt_oss", dict(head_dim=16, sliding_window=WINDOW,
                                                               layer_types=ALTERNATING, num_local_experts=4,
                                                               num_experts_per_tok=2), "alternating"),
+    # three chunked layers (a token sees the earlier tokens of its chunk of WINDOW) and a full NoPE layer
+    Arch("Llama 4 text (chunked + full, MoE)", "llama4_text", dict(head_dim=16, attention_chunk_size=WINDOW,
+                                                                   num_hidden_layers=4, intermediate_size_mlp=128,
+                                                                   num_local_experts=2), "chunked"),
     Arch("Mamba", "mamba", dict(intermediate_size=None, num_attention_heads=None, num_key_value_heads=None,
                                 max_position_embeddings=None, state_size=8), refused="linear_attention"),
     Arch("Jamba", "jamba", dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -129,7 +133,8 @@ def _check_layers(arch: Arch, target) -> None:
 
     types = set(layer_types(target))
     expected = {"full": {"full_attention"}, "sliding": {"sliding_attention"},
-                "alternating": {"full_attention", "sliding_attention"}}[arch.attention]
+                "alternating": {"full_attention", "sliding_attention"},
+                "chunked": {"full_attention", "chunked_attention"}}[arch.attention]
     assert types == expected, types
 
 
@@ -163,7 +168,8 @@ def test_refused_at_construction(name):
         MedusaModel(target, MedusaConfig(num_heads=2))
 
 
-SLIDING_CONTROLS = ["Mistral (sliding window)", "Gemma 2 (alternating)", "GPT-OSS (alternating, MoE, sinks)"]
+SLIDING_CONTROLS = ["Mistral (sliding window)", "Gemma 2 (alternating)", "GPT-OSS (alternating, MoE, sinks)",
+                    "Llama 4 text (chunked + full, MoE)"]
 
 
 @pytest.mark.parametrize("name", SLIDING_CONTROLS)
@@ -178,7 +184,8 @@ def test_trees_straddle_the_window(name, window):
     from medusa_lite.config import DEFAULT_TREE
 
     arch = BY_NAME[name]
-    arch = replace(arch, kwargs={**arch.kwargs, "sliding_window": window})
+    key = "attention_chunk_size" if "attention_chunk_size" in arch.kwargs else "sliding_window"
+    arch = replace(arch, kwargs={**arch.kwargs, key: window})
     target = arch.build()
     prompt = _prompt(2 * PROMPT)
     ref = target.generate(prompt, max_new_tokens=NEW, do_sample=False)
@@ -213,8 +220,8 @@ def test_control_full_attention_on_sliding_layers_differs(name, monkeypatch):
     ref = target.generate(prompt, max_new_tokens=NEW, do_sample=False)
     real = cache.sliding_attention_bias
     monkeypatch.setattr(cache, "sliding_attention_bias",
-                        lambda buffers, cache_len, dtype, window, kv_start=0: real(buffers, cache_len, dtype, 10**9,
-                                                                                   kv_start))
+                        lambda buffers, cache_len, dtype, window, kv_start=0, **kw: real(buffers, cache_len, dtype,
+                                                                                         10**9, kv_start, **kw))
     model = MedusaModel(target, MedusaConfig(num_heads=4))
     model.drafter.draft = oracle_draft(ref[0], 4, model._topk, VOCAB)
     assert not torch.equal(model.generate(prompt, max_new_tokens=NEW, do_sample=False), ref)
@@ -285,10 +292,29 @@ def markdown_table() -> str:
         else:
             result = "refused at `MedusaModel(...)`: " + refusal_reason(arch).replace("|", "\\|")
         attention = {"full": "full", "sliding": f"sliding window ({WINDOW})",
-                     "alternating": f"full + sliding ({WINDOW})"}[arch.attention] if arch.refused is None \
+                     "alternating": f"full + sliding ({WINDOW})",
+                     "chunked": f"full + chunked ({WINDOW})"}[arch.attention] if arch.refused is None \
             else "full, ALiBi" if arch.refused == "ALiBi" else "hybrid"
         rows.append(f"| {arch.name} | {attention} | {result} |")
     return "\n".join(rows)
+
+
+def test_control_chunked_layers_given_a_sliding_window_differ(monkeypatch):
+    """Llama 4's chunked layers see the earlier tokens of their own chunk, not the last ``w`` tokens: a deliberately
+    wrong mask that counts their window as sliding must change the output (so the chunked mask is what is tested)."""
+    import medusa_lite.kv.masks as masks
+    import medusa_lite.tree.buffers as buffers
+    from medusa_lite import MedusaConfig, MedusaModel
+
+    target = BY_NAME["Llama 4 text (chunked + full, MoE)"].build()
+    prompt = _prompt()
+    ref = target.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    sliding = lambda query, key, window, chunked=False: query - key < window  # noqa: E731
+    monkeypatch.setattr(buffers, "within_window", sliding)
+    monkeypatch.setattr(masks, "within_window", sliding)
+    model = MedusaModel(target, MedusaConfig(num_heads=4))
+    model.drafter.draft = oracle_draft(ref[0], 4, model._topk, VOCAB)
+    assert not torch.equal(model.generate(prompt, max_new_tokens=NEW, do_sample=False), ref)
 
 
 if __name__ == "__main__":

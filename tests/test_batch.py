@@ -128,7 +128,8 @@ def test_rows_join_leave_and_stop_on_their_own():
     assert seqs[1].stats.new_tokens == 6 and seqs[4].new_tokens[-1] == eos
 
 
-SLIDING = ["Mistral (sliding window)", "Gemma 2 (alternating)", "GPT-OSS (alternating, MoE, sinks)"]
+SLIDING = ["Mistral (sliding window)", "Gemma 2 (alternating)", "GPT-OSS (alternating, MoE, sinks)",
+           "Llama 4 text (chunked + full, MoE)"]
 
 
 def _sliding_rows(name: str, window: int = 3):
@@ -139,7 +140,8 @@ def _sliding_rows(name: str, window: int = 3):
     from test_architectures import BY_NAME
 
     arch = BY_NAME[name]
-    target = replace(arch, kwargs={**arch.kwargs, "sliding_window": window}).build(seed=0)
+    key = "attention_chunk_size" if "attention_chunk_size" in arch.kwargs else "sliding_window"
+    target = replace(arch, kwargs={**arch.kwargs, key: window}).build(seed=0)
     vocab = target.config.vocab_size
     prompts = [p % vocab for p in _prompts((12, 5, 9))]
     refs = [_plain(target, p, 30) for p in prompts]
@@ -171,8 +173,11 @@ def test_control_batched_rows_without_the_window_differ(name):
     decoder = model.decoder
 
     def windowless(*args, **kwargs):
+        from dataclasses import replace
+
         batch = decoder(*args, **kwargs)
-        batch.window = 10**9 if batch.window is not None else None
+        if batch.window is not None:
+            batch.layout = replace(batch.layout, window=10**9)
         return batch
 
     model.decoder = windowless

@@ -16,8 +16,8 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from .._hf import cache_kwarg, context_length
-from ..kv import (compact_rows, join_rows, keep_accepted, keep_accepted_rows, new_cache, rows_cache, select_rows,
-                  sliding_layout)
+from ..kv import (AttentionLayout, attention_layout, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
+                  new_cache, rows_cache, select_rows)
 from ..drafters import Draft, Drafter, DraftState
 from .forward import prefill, read_features, verify_forward, verify_rows
 from .plans import BatchPlanner, Plan, first_nodes
@@ -56,8 +56,9 @@ class SpeculativeBatch:
         self.limit = context_length(target.config)
         self.cache_key = cache_kwarg(target)
         self.solo = solo
-        window, self.full_layers = sliding_layout(target)
-        self.window = None if solo else window  # not None: sliding layers keep every key, the mask cuts the window
+        self.layout = attention_layout(target)  # its windowed layers: the masks of a verify pass
+        # rows sharing steps: windowed layers keep every key, the mask cuts each row's window (None: the layers do)
+        self.window = None if solo else self.layout.window
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -180,9 +181,11 @@ class SpeculativeBatch:
         cache_arg = {self.cache_key: self.cache}
         if len(drafts) == 1 and self.window is None and bool(self.valid.all()):  # the batch-1 path (packed kernels)
             (tokens, buffers, _), = drafts
-            return verify_forward(self.target, cache_arg, tokens, buffers, self.rows[0].cache_len, self.kernels)
+            return verify_forward(self.target, cache_arg, tokens, buffers, self.rows[0].cache_len, self.kernels,
+                                  self.layout)
+        layout = self.layout if self.window is not None else AttentionLayout()
         return verify_rows(self.target, cache_arg, drafts, [seq.cache_len for seq in self.rows], self.valid, self.kernels,
-                           self.window, self.full_layers)
+                           layout)
 
     def _keep(self, accepted: list[torch.Tensor]) -> None:
         """Keep each row's accepted nodes in the cache; the step's other nodes are dropped or become holes."""

@@ -9,7 +9,7 @@ import time
 import torch
 
 from .._hf import prefill_kwargs
-from ..kv import batch_attention_mask, tree_attention_mask
+from ..kv import AttentionLayout, attention_layout, batch_attention_mask, tree_attention_mask
 from ..drafters import Draft, Drafter, drafter_features
 from ..tree import TreeBuffers
 
@@ -22,28 +22,31 @@ def prefill(target, prompt: torch.Tensor, cache_arg: dict):
     return out, time.perf_counter() - t0
 
 
-def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers, cache_len: int, kernels=None):
+def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers, cache_len: int, kernels=None,
+                   layout: AttentionLayout | None = None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``; (output, seconds).
 
     tokens: [N] node tokens. The cache grows by N entries (compact it with ``kv.keep_accepted``). Sliding-window
-    layers get their own mask (``kv.tree_attention_mask``).
+    layers get their own mask (``kv.tree_attention_mask``), by ``layout`` (default: read off the model).
     ``kernels``: a :class:`medusa_lite.kernels.VerifyKernels` (packed GEMM for the sizes where it is faster).
     """
     dtype = target.get_output_embeddings().weight.dtype
+    layout = layout or attention_layout(target)
     t0 = time.perf_counter()
     with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
-                     attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype),
+                     attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype,
+                                                        layout),
                      use_cache=True, output_hidden_states=True, return_dict=True, **cache_arg)
     return out, time.perf_counter() - t0
 
 
 def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[int], valid: torch.Tensor, kernels=None,
-                window: int | None = None, full_layers: bool = True):
+                layout: AttentionLayout | None = None):
     """One target forward over every row's tree (rows padded to the widest): (output, seconds).
 
     valid: [B, S] the cache slots each row attends to; each row has its own positions ``cache_len + depth``.
-    ``window``, ``full_layers``: the model's sliding-window layers (``kv.sliding_layout``), masked per row.
+    ``layout``: the model's windowed layers (``kv.attention_layout``; None: full attention), masked per row.
     """
     dtype = target.get_output_embeddings().weight.dtype
     t0 = time.perf_counter()
@@ -52,7 +55,7 @@ def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[i
     tokens = torch.stack([pad(d.tokens, (0, width - d.tokens.numel())) for d in drafts])  # [B, N]
     positions = torch.stack([n + pad(d.buffers.depths, (0, width - d.tokens.numel()))
                              for n, d in zip(cache_lens, drafts)])  # [B, N] each row's own positions
-    mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype, window, full_layers)
+    mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype, layout or AttentionLayout())
     with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                      output_hidden_states=True, return_dict=True, **cache_arg)

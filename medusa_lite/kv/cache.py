@@ -12,7 +12,10 @@ Two kinds of cache layer can do that exactly:
   ``crop`` drops the rest and trims the layer back to ``window - 1`` keys: its memory stays bounded by
   window + tree. The verify pass gives these layers their own mask (:func:`tree_attention_mask`).
 
-Recurrent, linear-attention, convolutional, hybrid and chunked layers are refused when the model is
+Chunked attention (Llama 4: a token sees the earlier tokens of its own chunk of ``w`` positions) keeps a window of
+``w`` keys in the same layer class, and is run the same way with a mask counted by chunks.
+
+Recurrent, linear-attention, convolutional and hybrid layers are refused when the model is
 wrapped (:func:`check_model`, called by ``MedusaModel(...)``), with an error naming the layer type:
 their state after a tree of tokens mixes siblings, and cannot be rolled back to one path. So are ALiBi
 models (Bloom, MPT, Falcon with ``alibi``): transformers builds their bias from a 2-D mask, which cannot
@@ -22,6 +25,7 @@ describe a tree.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -29,15 +33,15 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, ge
 
 from .._hf import text_config
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-# cache layer class -> the layer type (and the key of transformers' per-type mask mapping) it serves
-SUPPORTED_LAYERS = {DynamicLayer: FULL, DynamicSlidingWindowLayer: SLIDING}
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+# cache layer class -> the layer types (the keys of transformers' per-type mask mapping) it serves: a chunked layer
+# (Llama 4) keeps a window of its chunk's size, like a sliding one; its mask counts the window by chunks
+SUPPORTED_LAYERS = {DynamicLayer: (FULL,), DynamicSlidingWindowLayer: (SLIDING, CHUNKED)}
 _WHY = {
     "linear_attention": "a recurrent / state-space (Mamba-style) or linear-attention state",
     "conv": "a causal-convolution state",
     "hybrid": "a recurrent state next to its attention cache",
     "hybrid_sliding": "a recurrent state next to its attention cache",
-    "chunked_attention": "chunked attention (its mask is not a window counted from each token)",
     "dummy": "a layer sharing another layer's cache (untested with tree verification)",
 }
 
@@ -86,14 +90,14 @@ def new_cache(model) -> DynamicCache:
 
 def check_cache(cache, types: list[str] | None = None) -> None:
     """Raise :class:`UnsupportedCacheError` unless every layer is a full-attention ``DynamicLayer`` or a
-    ``DynamicSlidingWindowLayer`` of sliding attention, all sliding layers with the same window."""
+    ``DynamicSlidingWindowLayer`` of sliding or chunked attention, all of these of one kind and one window."""
     if not isinstance(cache, DynamicCache):
         raise UnsupportedCacheError(
             f"medusa_lite needs a DynamicCache, the model uses {type(cache).__name__}")
-    windows = set()
+    windows, kinds = set(), set()
     for i, layer in enumerate(cache.layers):
         kind = types[i] if types is not None and i < len(types) else None
-        if type(layer) not in SUPPORTED_LAYERS or (kind is not None and kind != SUPPORTED_LAYERS[type(layer)]):
+        if type(layer) not in SUPPORTED_LAYERS or (kind is not None and kind not in SUPPORTED_LAYERS[type(layer)]):
             why = _WHY.get(kind, "a cache layer other than full or sliding-window attention")
             raise UnsupportedCacheError(
                 f"cache layer {i} is {kind or 'of type'} {type(layer).__name__!r}: {why}. Tree verification "
@@ -102,9 +106,10 @@ def check_cache(cache, types: list[str] | None = None) -> None:
                 "than change its output")
         if layer.is_sliding:
             windows.add(int(layer.sliding_window))
-    if len(windows) > 1:
-        raise UnsupportedCacheError(f"sliding-window layers with different windows {sorted(windows)}: transformers "
-                                    "takes one mask for all of them")
+            kinds.add(kind)
+    if len(windows) > 1 or len(kinds - {None}) > 1:
+        raise UnsupportedCacheError(f"windowed layers of different windows {sorted(windows)} or kinds "
+                                    f"{sorted(k for k in kinds if k)}: transformers takes one mask per layer type")
 
 
 def keep_accepted(cache: DynamicCache, prefix_len: int, accepted: torch.Tensor) -> None:
@@ -170,8 +175,18 @@ def rows_cache(model) -> DynamicCache:
     return cache
 
 
-def sliding_layout(model) -> tuple[int | None, bool]:
-    """(the window of ``model``'s sliding-window layers, None without any; whether it has full-attention layers)."""
+@dataclass(frozen=True)
+class AttentionLayout:
+    """How a model's windowed layers count their window: the masks a verify pass builds for it."""
+
+    window: int | None = None   # the window of its sliding or chunked layers (one for all); None: full attention only
+    kind: str = SLIDING         # SLIDING (the last ``window`` positions) or CHUNKED (the positions of one's chunk)
+    full_layers: bool = True    # whether full-attention layers are there too (then masks go per layer type)
+
+
+def attention_layout(model) -> AttentionLayout:
+    """The :class:`AttentionLayout` of ``model`` (its cache layers and layer types)."""
     cache = new_cache(model)
     window = next((int(layer.sliding_window) for layer in cache.layers if layer.is_sliding), None)
-    return window, not all(cache.is_sliding)
+    types = layer_types(model)
+    return AttentionLayout(window, CHUNKED if CHUNKED in types else SLIDING, not all(cache.is_sliding))

@@ -6,17 +6,21 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..tree import TreeBuffers, attention_bias, sliding_attention_bias
-from .cache import FULL, SLIDING
+from ..tree import TreeBuffers, attention_bias, sliding_attention_bias, within_window
+from .cache import CHUNKED, FULL, AttentionLayout
 
-def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: int,
-                        dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+NO_WINDOW = AttentionLayout()
+
+
+def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: int, dtype: torch.dtype,
+                        layout: AttentionLayout = NO_WINDOW) -> torch.Tensor | dict[str, torch.Tensor]:
     """The verify pass's attention mask: one 4D additive mask, or ``{layer type: mask}`` when full and
     sliding layers alternate (what transformers' models with mixed layers accept).
 
     Full layers: :func:`medusa_lite.tree.attention_bias` (every node sees the whole cache and its
     ancestors). Sliding layers: :func:`medusa_lite.tree.sliding_attention_bias` over the keys the layer
-    still holds (its ``get_mask_sizes``). A cache without sliding layers takes the full mask alone.
+    still holds (its ``get_mask_sizes``), counted by chunks for chunked layers (``layout``, Llama 4). A cache
+    without sliding layers takes the full mask alone.
     The first call turns the sliding layers' past recording on (the verify pass appends a whole tree).
     """
     sliding = cache.is_sliding
@@ -33,23 +37,22 @@ def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: in
         raise RuntimeError(f"sliding layer {layer} holds positions up to {kv_offset + kv_length - n}, "
                            f"the tree starts at {cache_len}")
     window = int(cache.layers[layer].sliding_window)
-    masks = {SLIDING: sliding_attention_bias(buffers, cache_len, dtype, window, kv_offset)}
+    windowed = sliding_attention_bias(buffers, cache_len, dtype, window, kv_offset, chunked=layout.kind == CHUNKED)
     if all(sliding):
-        return masks[SLIDING]
-    masks[FULL] = attention_bias(buffers, cache_len, dtype)
-    return masks
+        return windowed
+    return {layout.kind: windowed, FULL: attention_bias(buffers, cache_len, dtype)}
 
 
 def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: int, dtype: torch.dtype,
-                         window: int | None = None, full_layers: bool = True) -> torch.Tensor | dict[str, torch.Tensor]:
+                         layout: AttentionLayout = NO_WINDOW) -> torch.Tensor | dict[str, torch.Tensor]:
     """The additive mask of a verify pass over B rows' trees, padded to ``nodes`` tokens: [B, 1, nodes, S + nodes].
 
     Row b's nodes see the cache slots ``valid[b]`` ([B, S] bool) marks and their own ancestors (its tree's
     ``ancestor_mask``); padding nodes past its tree see the cache and themselves only, and are never accepted.
-    ``window``: the model has sliding-window layers, which in a batch hold every key (:func:`~medusa_lite.kv.rows_cache`):
-    their mask also drops the keys at least ``window`` positions behind the node, counted from the node's own
-    position as :func:`~medusa_lite.tree.sliding_attention_bias` does. Returned alone, or as ``{layer type: mask}``
-    when ``full_layers`` alternate with them."""
+    ``layout.window``: the model has sliding-window (or chunked) layers, which in a batch hold every key
+    (:func:`~medusa_lite.kv.rows_cache`): their mask also drops the keys outside the node's window, counted from
+    the node's own position as :func:`~medusa_lite.tree.sliding_attention_bias` does. Returned alone, or as
+    ``{layer type: mask}`` when full layers alternate with them."""
     batch, slots = valid.shape
     allowed = torch.zeros(batch, nodes, slots + nodes, dtype=torch.bool, device=valid.device)
     allowed[:, :, :slots] = valid[:, None, :]
@@ -57,14 +60,14 @@ def batch_attention_mask(valid: torch.Tensor, trees: list[TreeBuffers], nodes: i
     for b, tree in enumerate(trees):
         n = tree.num_nodes
         allowed[b, :n, slots:slots + n] = tree.ancestor_mask
-    if window is None:
+    if layout.window is None:
         return _additive(allowed, dtype)
     depths = torch.stack([torch.nn.functional.pad(t.depths, (0, nodes - t.num_nodes)) for t in trees])  # [B, nodes]
     node_pos = valid.sum(dim=1, keepdim=True) + depths                               # [B, nodes]
     key_pos = torch.cat([valid.cumsum(dim=1) - 1, node_pos], dim=1)                  # [B, S + nodes] (holes: masked)
-    near = node_pos[:, :, None] - key_pos[:, None, :] < window                       # [B, nodes, S + nodes]
-    sliding = _additive(allowed & near, dtype)
-    return {FULL: _additive(allowed, dtype), SLIDING: sliding} if full_layers else sliding
+    near = within_window(node_pos[:, :, None], key_pos[:, None, :], layout.window, layout.kind == CHUNKED)
+    windowed = _additive(allowed & near, dtype)                                      # [B, 1, nodes, S + nodes]
+    return {FULL: _additive(allowed, dtype), layout.kind: windowed} if layout.full_layers else windowed
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

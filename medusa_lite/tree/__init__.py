@@ -9,7 +9,8 @@ Modules: :mod:`.spec` (forms, parsing, keys, shipped trees), :mod:`.buffers` (te
 :mod:`.lookup` (prompt-lookup branches), :mod:`.design` (expected length, growth).
 """
 
-from .buffers import Level, TreeBuffers, attention_bias, buffers_from_parents, build_buffers, sliding_attention_bias, tree_tokens
+from .buffers import (Level, TreeBuffers, attention_bias, buffers_from_parents, build_buffers, sliding_attention_bias,
+                      tree_tokens, within_window)
 from .design import expected_length, grow_tree
 from .lookup import lookup_continuation, merge_chain
 from .spec import (Choices, DynamicTree, TreeSpec, WithLookup, chain, load_tree, parse_tree, tree_json, tree_key,
@@ -18,4 +19,4 @@ from .spec import (Choices, DynamicTree, TreeSpec, WithLookup, chain, load_tree,
 __all__ = ["Choices", "DynamicTree", "Level", "TreeBuffers", "TreeSpec", "WithLookup", "attention_bias",
            "buffers_from_parents", "build_buffers", "chain", "expected_length", "grow_tree", "load_tree",
            "lookup_continuation", "merge_chain", "parse_tree", "sliding_attention_bias", "tree_json", "tree_key",
-           "tree_nodes", "tree_tokens", "truncate", "validate_choices"]
+           "tree_nodes", "tree_tokens", "truncate", "validate_choices", "within_window"]

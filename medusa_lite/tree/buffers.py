@@ -161,12 +161,20 @@ def attention_bias(buffers: TreeBuffers, cache_len: int, dtype: torch.dtype) -> 
     return bias[None, None]
 
 
+def within_window(query: torch.Tensor, key: torch.Tensor, window: int, chunked: bool = False) -> torch.Tensor:
+    """Whether a query at position ``query`` [..., Q, 1] may see a key at ``key`` [..., 1, K] (causality aside):
+    sliding, ``query - key < window`` (transformers' ``sliding_window_overlay``); chunked, both in one chunk of
+    ``window`` positions (``chunked_overlay``, Llama 4)."""
+    return (query // window == key // window) if chunked else (query - key < window)
+
+
 def sliding_attention_bias(buffers: TreeBuffers, cache_len: int, dtype: torch.dtype, window: int,
-                           kv_start: int = 0) -> torch.Tensor:
+                           kv_start: int = 0, chunked: bool = False) -> torch.Tensor:
     """Additive 4D mask for a sliding-window layer: node i (position ``cache_len + depth[i]``) sees a
     cached position p when ``pos(i) - p < window`` and an ancestor j (or itself) when
     ``depth[i] - depth[j] < window``: the window counted from the node's own position, as
-    transformers' ``sliding_window_overlay`` does for a plain sequence.
+    transformers' ``sliding_window_overlay`` does for a plain sequence. ``chunked``: a chunked layer's
+    (:func:`within_window`), positions seen when in the node's own chunk.
 
     The layer's keys are cache positions ``[kv_start, cache_len)`` (what a sliding layer still holds)
     followed by the N tree nodes. Returns [1, 1, N, cache_len - kv_start + N] in ``dtype``.
@@ -174,8 +182,9 @@ def sliding_attention_bias(buffers: TreeBuffers, cache_len: int, dtype: torch.dt
     depths = buffers.depths
     device = depths.device
     prefix = torch.arange(kv_start, cache_len, device=device)  # [cache_len - kv_start] cached positions
-    see_prefix = (cache_len + depths)[:, None] - prefix[None, :] < window  # [N, P]
-    see_tree = buffers.ancestor_mask & ((depths[:, None] - depths[None, :]) < window)  # [N, N]
+    nodes = cache_len + depths                                  # [N] the nodes' positions
+    see_prefix = within_window(nodes[:, None], prefix[None, :], window, chunked)  # [N, P]
+    see_tree = buffers.ancestor_mask & within_window(nodes[:, None], nodes[None, :], window, chunked)  # [N, N]
     allowed = torch.cat([see_prefix, see_tree], dim=1)
     bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
     bias.masked_fill_(~allowed, torch.finfo(dtype).min)
