@@ -19,8 +19,8 @@ def cpu() -> str:
 def generation_table(vllm: dict, ours: dict) -> list[str]:
     base = vllm["rows"][0]
     reference = next(r for r in ours["rows"] if r["name"].startswith("transformers"))
-    lines = ["| engine, method | batch 1 tok/s | vs vLLM plain | vs vLLM n-gram | all at once tok/s | tokens / step "
-             "| outputs equal to its engine's plain |", "|---|---|---|---|---|---|---|"]
+    lines = ["| engine, method | batch 1 tok/s | vs vLLM plain | vs vLLM n-gram | all at once tok/s | vLLM: 1 + accepted "
+             "/ drafts | outputs equal to its engine's plain |", "|---|---|---|---|---|---|---|"]
     ngram = vllm["rows"][1]
     for r, plain in [(r, base) for r in vllm["rows"]] + [(r, reference) for r in ours["rows"]]:
         equal = sum(a == b for a, b in zip(r["outputs"], plain["outputs"]))
