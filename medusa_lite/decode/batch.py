@@ -16,7 +16,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from .._hf import cache_kwarg, context_length
-from ..kv import (AttentionLayout, attention_layout, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
+from ..kv import (attention_layout, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
                   new_cache, rows_cache, select_rows)
 from ..drafters import Draft, Drafter, DraftState
 from .forward import prefill, read_features, verify_forward, verify_rows
@@ -183,9 +183,9 @@ class SpeculativeBatch:
             (tokens, buffers, _), = drafts
             return verify_forward(self.target, cache_arg, tokens, buffers, self.rows[0].cache_len, self.kernels,
                                   self.layout)
-        layout = self.layout if self.window is not None else AttentionLayout()
+        # (only a batch of rows gets here: a solo batch holds one row without holes)
         return verify_rows(self.target, cache_arg, drafts, [seq.cache_len for seq in self.rows], self.valid, self.kernels,
-                           layout)
+                           self.layout)
 
     def _keep(self, accepted: list[torch.Tensor]) -> None:
         """Keep each row's accepted nodes in the cache; the step's other nodes are dropped or become holes."""

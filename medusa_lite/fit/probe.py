@@ -12,7 +12,7 @@ import time
 import torch
 
 from .._hf import cache_kwarg, output_weight
-from ..kv import extend_cache, new_cache
+from ..kv import attention_layout, extend_cache, new_cache
 from ..decode import make_plan, speculative_generate, verify_forward
 from ..drafters import drafter_features
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes
@@ -27,14 +27,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def verify_seconds(target, cache, ids: torch.Tensor, buffers, cache_len: int, kernel=None) -> float:
+def verify_seconds(target, cache, ids: torch.Tensor, buffers, cache_len: int, kernel=None, layout=None) -> float:
     """Seconds of one verify forward of ``ids`` ([N] tree tokens) over ``cache`` (``cache_len`` tokens), exactly as
     decoding runs it, inside ``kernel`` (e.g. :class:`medusa_lite.kernels.PackedLinears`) when given; the cache is
     cropped back afterwards. The one routine that times a verify forward."""
     device = ids.device
     _sync(device)
     with kernel if kernel is not None else contextlib.nullcontext():
-        _, seconds = verify_forward(target, {cache_kwarg(target): cache}, ids, buffers, cache_len)
+        _, seconds = verify_forward(target, {cache_kwarg(target): cache}, ids, buffers, cache_len, layout=layout)
     _sync(device)
     cache.crop(-ids.numel())  # drop the tokens just appended
     return seconds
@@ -59,12 +59,14 @@ class _Latency:
 
     def __init__(self, target, packed, gen: torch.Generator):
         self.target, self.packed, self.gen = target, packed, gen
+        self.layout = attention_layout(target)  # read once, not per timed forward
         self.table: dict[int, dict[int, float]] = {}
         self.fast: dict[int, dict[int, float]] = {}  # the packed path's latency, where measured
         self.packed_wins: dict[int, bool] = {}  # tree tokens -> packed faster at every cache length so far
 
     def timed(self, cache, ids, buffers, cache_len, kernel, repeats) -> float:
-        times = [verify_seconds(self.target, cache, ids, buffers, cache_len, kernel) for _ in range(repeats)]
+        times = [verify_seconds(self.target, cache, ids, buffers, cache_len, kernel, self.layout)
+                 for _ in range(repeats)]
         return min(times[-2:])
 
     def measure(self, cache, cache_len: int, n: int, first: bool) -> float:

@@ -7,6 +7,6 @@ from .cache import (CHUNKED, FULL, SLIDING, SUPPORTED_LAYERS, AttentionLayout, U
 from .masks import batch_attention_mask, tree_attention_mask
 from .rows import compact_rows, join_rows, keep_accepted_rows, select_rows
 
-__all__ = ["AttentionLayout", "CHUNKED", "FULL", "SLIDING", "attention_layout", "SUPPORTED_LAYERS", "UnsupportedCacheError", "batch_attention_mask", "check_cache",
-           "check_model", "compact_rows", "extend_cache", "join_rows", "keep_accepted", "keep_accepted_rows",
+__all__ = ["AttentionLayout", "CHUNKED", "FULL", "SLIDING", "SUPPORTED_LAYERS", "UnsupportedCacheError", "attention_layout",
+           "batch_attention_mask", "check_cache", "check_model", "compact_rows", "extend_cache", "join_rows", "keep_accepted", "keep_accepted_rows",
            "layer_types", "new_cache", "rows_cache", "select_rows", "tree_attention_mask"]
