@@ -59,7 +59,6 @@ class CalibrateSettings:
     dry_run: bool = option(False, "report only; leave the heads directory unchanged")
     continuations: str | None = option(None, "JSON cache of the target's continuations: reused when it matches, "
                                              "else written")
-    stride: int = option(2, "replay every N-th position of the continuations")
     sample_temperature: float = option(1.0, "temperature of the table's sampled runs (0: greedy rows only)")
     sample_prompts: int | None = option(None, "run the table's sampled candidates after this many of the prompts "
                                               "(default: all)")

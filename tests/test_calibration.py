@@ -193,3 +193,24 @@ def test_calibrate_acceptance_table_feeds_the_hardware_fit(tmp_path, monkeypatch
     out = model.generate(prompt, max_new_tokens=8)
     assert out.shape[1] == 12 and model.last_stats.fitted is not None
     assert torch.equal(out, model.base_model.generate(prompt, max_new_tokens=8, do_sample=False))
+
+
+def test_replay_steps_where_greedy_decoding_steps():
+    """The replay verifies where decoding would: each step where the last one's accepted tokens end, so its tokens
+    per step are greedy decoding's own (a mean over every position counts a long accepted run once per position in
+    it: a repetition the lookup branch copies scored about twice its decoding rate)."""
+    from conftest import tiny_model
+
+    from medusa_lite.calibrate import replay_acceptance
+    from medusa_lite.tree import parse_tree
+
+    model = random_heads(MedusaModel(tiny_model(vocab=16), MedusaConfig(num_heads=2)), std=0.3)
+    tree = {"tree": [[0], [1]], "prompt_lookup": 6, "ngram": 2}
+    prompt = torch.tensor([[1, 5, 3, 4, 1, 5, 3, 4]])
+    out = model.generate(prompt, max_new_tokens=60, do_sample=False, tree=tree, fit=False)
+    stats = model.last_stats
+    decoded = sum(stats.tokens_per_step) / stats.verify_steps
+    assert decoded > 1.5  # the tiny model repeats itself: long accepted runs, where the two rules differ
+    replayed = replay_acceptance(model, [(out[0], prompt.shape[1])], parse_tree(tree, 2))
+    assert abs(replayed["steps"] - stats.verify_steps) <= 1  # the last step may be cut by the continuation's end
+    assert replayed["mean_tokens"] == pytest.approx(decoded, rel=0.1)

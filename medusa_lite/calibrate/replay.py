@@ -1,9 +1,9 @@
 """Measured acceptance: trees replayed on the target's own greedy continuations (:func:`replay_acceptance`) or run
 with sampling (:func:`measure_sampling`), per context bucket, and the continuations themselves (:func:`continuations`).
 
-:func:`replay_acceptance` drafts from every position of the continuations exactly as decoding would and walks the
-tree against the true continuation (what greedy verification would accept there). It scores any tree, including
-dynamic ones (EAGLE-2 style) the independence formula cannot, and times the drafting itself.
+:func:`replay_acceptance` drafts at the positions greedy decoding would verify at, exactly as decoding would, and
+walks the tree against the true continuation (what greedy verification would accept there). It scores any tree,
+including dynamic ones (EAGLE-2 style) the independence formula cannot, and times the drafting itself.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ from ..verify import accept
 from .accuracy import drafter_inputs
 
 @torch.no_grad()
-def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: TreeSpec, stride: int = 1,
+def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: TreeSpec,
                       features: list[torch.Tensor] | None = None, buckets=BUCKETS) -> dict:
     """Measured tokens per step of ``tree`` on the target's own greedy continuations (greedy decoding).
 
-    At every ``stride``-th position t of ``ids[start - 1:]`` the tree is drafted from the target's hidden
-    state at t with the true token at t + 1 as root (what decoding sees after an accepted step), and
-    walked against the true continuation with :func:`medusa_lite.verify.accept`: a node is right when
-    it holds the target's greedy token after its path. Returns ``{"mean_tokens": accepted + bonus per
+    At a step's position t of ``ids[start - 1:]`` the tree is drafted from the target's hidden state at t with
+    the true token at t + 1 as root (what decoding sees after an accepted step), and walked against the true
+    continuation with :func:`medusa_lite.verify.accept`: a node is right when it holds the target's greedy token
+    after its path. The next step is where that step's accepted tokens end, as in greedy decoding: a mean over
+    *every* position instead would count a long accepted run once per position inside it (a repetition the
+    lookup branch copies scored ~2x its decoding rate on Spec-Bench continuations). Returns ``{"mean_tokens": accepted + bonus per
     step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed, "mean_nodes":
     tree nodes per step, root included, "by_bucket": the same per context-length bucket}`` (the context of
     a step is the cache length before its root, t + 1; :class:`medusa_lite.fit.Candidate` fields).
@@ -44,13 +46,15 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
         feats = features[i] if features is not None else drafter_inputs(model, ids)  # [L, F]
         first = max(start - 1, 0)
         state = drafter.start([ids[: first + 2]], feats[None, : first + 1])  # accepted up to first, root ids[first + 1]
+        step_at = first
         for t in range(first, ids.numel() - 2):
-            if (t - first) % stride == 0:
+            if t == step_at:
                 t0 = time.perf_counter()
                 (tokens, buffers, _), = plan(state, ids.numel() - t - 2)
                 seconds += time.perf_counter() - t0
                 truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
                 nodes, _ = accept(tokens, truth, buffers.paths)
+                step_at = t + nodes.numel()  # the next step's position: past the accepted tokens and the bonus
                 total += nodes.numel()  # accepted + bonus
                 nodes_total += buffers.num_nodes
                 steps += 1

@@ -48,7 +48,7 @@ def acceptance_table(model, sequences, acc, questions, args):
     features = [drafter_inputs(model, ids) for ids, _ in sequences]
     rows = []
     for tree in tqdm(greedy, desc="replaying greedy candidates"):
-        r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), args.stride, features)
+        r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), features=features)
         rows.append(Candidate(tree=tree, **r["by_bucket"]))
     sampled, prompts = [], []
     if args.sample_temperature > 0:
@@ -61,7 +61,7 @@ def acceptance_table(model, sequences, acc, questions, args):
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": args.target or "SmolLM2-135M-Instruct",
             "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
             "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
-            "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay_stride": args.stride,
+            "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay": "greedy decoding's steps",
             "sampled_prompts": len(prompts),
             "command": "medusa-lite calibrate " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
     for c in rows[:3] + sampled[:2]:
