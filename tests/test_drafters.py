@@ -7,9 +7,9 @@ import torch
 from conftest import random_heads, tiny_model
 
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.drafters import DRAFTERS, Drafter, DraftState, drafter_class, drafter_features, register_drafter
+from medusa_lite.drafters import DRAFTERS, Drafter, drafter_class, drafter_features, register_drafter
 from medusa_lite.drafters.base import PathDrafter
-from medusa_lite.tree import DynamicTree, build_buffers, chain
+from medusa_lite.tree import DynamicTree, build_buffers
 
 NAMES = sorted(DRAFTERS)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -242,7 +241,8 @@ def test_prompt_lookup_continuation_and_merge():
     ids = torch.tensor([7, 1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 1, 2])
     assert lookup_continuation(ids, 3, 4).tolist() == [3, 4, 5, 1]  # latest earlier "1 2" -> "3 4 5 1"
     assert lookup_continuation(torch.tensor([5, 6, 7]), 3, 4).tolist() == []
-    assert lookup_continuation(torch.tensor([5, 6, 5]), 3, 4).tolist() == [6, 5]  # 1-gram, cut at the end
+    assert lookup_continuation(torch.tensor([5, 6, 5]), 3, 4).tolist() == [6, 5, 6, 5]  # 1-gram, around the period
+    assert lookup_continuation(torch.tensor([3, 3, 3, 3]), 2, 5).tolist() == [3] * 5  # a run: its own continuation
     # tree: root(0) -> a(1)=3, b(2)=8; a -> c(3)=4. Chain 3 4 5 shares a and c, adds 5 under c.
     parents, tokens = merge_chain([-1, 0, 0, 1], [2, 3, 8, 4], [3, 4, 5])
     assert parents == [-1, 0, 0, 1, 3] and tokens == [2, 3, 8, 4, 5]

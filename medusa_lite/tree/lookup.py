@@ -1,4 +1,4 @@
-"""Prompt lookup: the tokens that followed the last earlier occurrence of the trailing n-gram, and their chain
+"""Prompt lookup: the tokens that followed the latest earlier occurrence of the trailing n-gram, and their chain
 merged into a drafted tree as one more branch (siblings kept distinct)."""
 
 from __future__ import annotations
@@ -7,15 +7,20 @@ import torch
 
 
 def lookup_continuation(ids: torch.Tensor, ngram: int, length: int) -> torch.Tensor:
-    """Prompt lookup: ids [L] -> up to ``length`` tokens that followed the latest earlier occurrence of
-    the longest trailing n-gram (n = ``ngram`` down to 1); empty when none recurs."""
+    """Prompt lookup: ids [L] -> ``length`` tokens that followed the latest earlier occurrence of the longest
+    trailing n-gram (n = ``ngram`` down to 1); empty when none recurs.
+
+    Where fewer than ``length`` tokens follow the occurrence, the text since it repeats with period p = those
+    tokens, and the chain goes on around the period: what the rule itself would draft at each later step if its
+    drafts were accepted (a loop of a few tokens, as small models write, drafts ``length`` tokens, not p)."""
     total = ids.numel()
     for n in range(min(ngram, total - 1), 0, -1):
         windows = ids[: total - 1].unfold(0, n, 1)  # [total - n, n]: every earlier n-gram
         hits = (windows == ids[total - n:]).all(dim=-1).nonzero()
         if hits.numel():
             start = int(hits[-1]) + n
-            return ids[start: start + length]
+            period = total - start
+            return ids[start + torch.arange(length, device=ids.device) % period]  # [length]
     return ids[:0]
 
 
