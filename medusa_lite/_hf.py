@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 
 import torch
 
@@ -54,3 +56,48 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+# ------------------------------------------------------------------------- grouped-query attention without copies
+_GROUPED = threading.local()
+
+
+def _install_grouped_attention() -> bool:
+    """Wrap transformers' SDPA choice of grouped-query attention once (idempotent): inside :func:`grouped_attention`
+    on this thread, CPU tensors take torch's own GQA; everywhere else the choice is transformers' as before."""
+    try:
+        from transformers.integrations import sdpa_attention
+    except ImportError:
+        return False
+    choose = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
+    if choose is None:
+        return False
+    if not getattr(choose, "_medusa_lite", False):
+        def use_gqa_in_sdpa(attention_mask, key, value):
+            if getattr(_GROUPED, "active", False) and key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
+                return True
+            return choose(attention_mask, key, value)
+
+        use_gqa_in_sdpa._medusa_lite = True
+        sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
+    return True
+
+
+@contextlib.contextmanager
+def grouped_attention():
+    """The target's forwards inside this block attend with grouped key/value heads as they are (CPU).
+
+    With an attention mask (every tree and batched forward has one), transformers' SDPA path repeats each key/value
+    head once per query head it serves (``repeat_kv``): a copy of the whole cache, 3x its size on the default model,
+    in every layer of every step; at 600 cached tokens and a 16-token tree that copy costs as much as the attention.
+    torch's SDPA on CPU takes the grouped heads directly (``enable_gqa``) and gives the same result bit for bit
+    (``tests/test_kv.py``). On other devices, and outside this block, nothing changes."""
+    if not _install_grouped_attention():
+        yield
+        return
+    before = getattr(_GROUPED, "active", False)
+    _GROUPED.active = True
+    try:
+        yield
+    finally:
+        _GROUPED.active = before

@@ -325,3 +325,68 @@ def test_token_logprobs_are_the_targets_own_in_every_row():
         assert all(top[0][1] == pytest.approx(float(expected[i].max()), abs=1e-4) and len(top) == 2
                    for i, (_, top) in enumerate(seq.token_logprobs))
     assert all(top[0][0] == int(t) for (_, top), t in zip(greedy[0].token_logprobs, greedy[0].new_tokens))
+
+
+def test_slack_layer_appends_in_place_and_keeps_its_room_when_narrowed():
+    """The cache's full-attention layers append into spare room (no copy of the layer per step); narrowing to a prefix
+    (keep the accepted nodes) keeps the room; any other tensor assigned becomes the layer."""
+    from medusa_lite.kv import new_cache
+    from medusa_lite.kv.cache import SlackLayer
+
+    layer = new_cache(tiny_model()).layers[0]
+    assert isinstance(layer, SlackLayer)
+    first = torch.randn(2, 2, 5, 4)
+    keys, _ = layer.update(first, first.clone())
+    assert torch.equal(keys, first) and layer.get_seq_length() == 5
+    room = layer.keys.data_ptr()
+    step = torch.randn(2, 2, 3, 4)
+    keys, values = layer.update(step, step.clone())
+    assert keys.data_ptr() == room and torch.equal(keys, torch.cat([first, step], dim=2))  # written in place
+    layer.keys, layer.values = layer.keys[:, :, :6], layer.values[:, :, :6]  # keep the first tree node only
+    layer.update(step, step.clone())
+    assert layer.keys.data_ptr() == room and layer.get_seq_length() == 9
+    assert torch.equal(layer.keys, torch.cat([first, step[:, :, :1], step], dim=2))
+    other = torch.randn(1, 2, 4, 4)
+    layer.keys, layer.values = other, other.clone()  # e.g. rows selected: a new tensor
+    assert layer.keys.data_ptr() == other.data_ptr() and layer.get_seq_length() == 4
+    layer.update(torch.ones(1, 2, 300, 4), torch.ones(1, 2, 300, 4))  # grows past its room
+    assert layer.get_seq_length() == 304 and torch.equal(layer.keys[:, :, :4], other)
+
+
+def test_grouped_attention_is_bit_identical_to_repeated_heads():
+    """Inside medusa_lite's forwards, masked SDPA takes the grouped key/value heads as they are (no repeat copy): the
+    logits are the same bits as transformers' own path, for a tree mask over several rows with holes."""
+    from medusa_lite._hf import grouped_attention
+
+    target = tiny_model()  # 4 query heads, 2 key/value heads
+    ids = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 20, dtype=torch.long)
+    mask[1, :7] = mask[2, :3] = 0
+    with torch.no_grad():
+        plain = target(input_ids=ids, attention_mask=mask).logits
+        with grouped_attention():
+            grouped = target(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(plain, grouped)
+    from transformers.integrations import sdpa_attention
+
+    k = torch.zeros(1, 2, 3, 4)
+    with grouped_attention():
+        assert sdpa_attention.use_gqa_in_sdpa(torch.ones(1, 1, 1, 3, dtype=torch.bool), k, k)  # the copy-free path
+    assert not sdpa_attention.use_gqa_in_sdpa(torch.ones(1, 1, 1, 3, dtype=torch.bool), k, k)  # only inside
+
+
+def test_compaction_ignores_the_left_padding_it_cannot_free(monkeypatch):
+    """Rows of unequal prompts: compacting cannot drop the shorter rows' left padding, so it is not counted as
+    freeable (it was, and every step copied the whole cache for nothing)."""
+    import medusa_lite.decode.batch as batch_mod
+
+    calls = []
+    real = batch_mod.compact_rows
+    monkeypatch.setattr(batch_mod, "compact_rows", lambda cache, valid: calls.append(1) or real(cache, valid))
+    model = MedusaModel(tiny_model(), MedusaConfig(num_heads=2))
+    batch = model.decoder(fit=False)
+    for p in _prompts(lengths=(200, 5, 9, 3)):
+        batch.add(model.sequence(p, max_new_tokens=6, do_sample=False, tree=[]))
+    while batch.rows:
+        batch.step()
+    assert not calls

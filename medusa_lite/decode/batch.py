@@ -24,7 +24,7 @@ from .plans import BatchPlanner, Plan, first_nodes
 from .sequence import GenerationStats, Sequence, record_step
 
 
-COMPACT_SLACK = 32  # holes per row tolerated before the batch's cache is compacted (plus a quarter of its slots)
+COMPACT_SLACK = 32  # slots per row compacting must free before the batch's cache is compacted (plus a quarter)
 
 
 class SpeculativeBatch:
@@ -208,10 +208,14 @@ class SpeculativeBatch:
         self.rows = [self.rows[b] for b in rows]
 
     def _compact(self) -> None:
+        """Close the holes when that frees enough slots: compacting keeps each row's held slots and cuts every row to
+        the longest row's count, so the left padding of shorter rows stays (counting it as freeable compacted a
+        batch of unequal prompts on every step, each time a copy of the whole cache for nothing)."""
         if not self.rows:
             return
-        held, slots = int(self.valid.sum()), self.valid.numel()
-        if held < slots and (len(self.rows) == 1 or slots > 1.25 * held + COMPACT_SLACK * len(self.rows)):
+        slots = self.valid.shape[1]
+        needed = int(self.valid.sum(dim=1).max())  # slots per row after compacting
+        if needed < slots and (len(self.rows) == 1 or slots > 1.25 * needed + COMPACT_SLACK):
             self.valid = compact_rows(self.cache, self.valid)
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .._hf import prefill_kwargs
+from .._hf import grouped_attention, prefill_kwargs
 from ..kv import AttentionLayout, attention_layout, batch_attention_mask, tree_attention_mask
 from ..drafters import Draft, Drafter, drafter_features
 from ..tree import TreeBuffers
@@ -17,8 +17,9 @@ from ..tree import TreeBuffers
 def prefill(target, prompt: torch.Tensor, cache_arg: dict):
     """The prompt's forward ([L] long) into the cache of ``cache_arg``: (output, seconds)."""
     t0 = time.perf_counter()
-    out = target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
-                 **cache_arg, **prefill_kwargs(target))
+    with grouped_attention():
+        out = target(input_ids=prompt[None], use_cache=True, output_hidden_states=True, return_dict=True,
+                     **cache_arg, **prefill_kwargs(target))
     return out, time.perf_counter() - t0
 
 
@@ -33,7 +34,7 @@ def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeB
     dtype = target.get_output_embeddings().weight.dtype
     layout = layout or attention_layout(target)
     t0 = time.perf_counter()
-    with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+    with grouped_attention(), kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
                      attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype,
                                                         layout),
@@ -56,7 +57,7 @@ def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[i
     positions = torch.stack([n + pad(d.buffers.depths, (0, width - d.tokens.numel()))
                              for n, d in zip(cache_lens, drafts)])  # [B, N] each row's own positions
     mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype, layout or AttentionLayout())
-    with kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+    with grouped_attention(), kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                      output_hidden_states=True, return_dict=True, **cache_arg)
     return out, time.perf_counter() - t0

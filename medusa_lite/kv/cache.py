@@ -34,9 +34,66 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, ge
 from .._hf import text_config
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+
+
+class SlackLayer(DynamicLayer):
+    """A full-attention ``DynamicLayer`` whose keys and values live in buffers with spare room, so appending a step's
+    tokens writes them in place instead of copying the whole layer (``torch.cat`` into a fresh tensor: on a CPU the
+    copy and the page faults of a new allocation cost ~9 ms a layer for 8 rows of 800 tokens, more than the step's
+    attention). ``keys`` / ``values`` are the held part, ``[B, H, S, D]`` views of the buffers; assigning a view that
+    starts the buffer (narrowing, as :func:`keep_accepted` does) keeps the room, any other tensor becomes the buffer."""
+
+    def __init__(self, **kwargs):
+        self._buffers: dict[str, torch.Tensor | None] = {"keys": None, "values": None}
+        self._held = {"keys": 0, "values": 0}
+        super().__init__(**kwargs)
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        buffer = self._buffers[name]
+        return buffer if buffer is None else buffer[:, :, : self._held[name]]
+
+    def _set(self, name: str, value: torch.Tensor | None) -> None:
+        buffer = self._buffers[name]
+        if (value is not None and buffer is not None and value.dim() == 4 and value.data_ptr() == buffer.data_ptr()
+                and value.stride() == buffer.stride() and value.shape[:2] == buffer.shape[:2]
+                and value.shape[3] == buffer.shape[3] and value.shape[2] <= buffer.shape[2]):
+            self._held[name] = value.shape[2]  # a prefix of the buffer: keep the room after it
+            return
+        self._buffers[name] = value
+        self._held[name] = value.shape[2] if value is not None and value.dim() == 4 else 0
+
+    keys = property(lambda self: self._get("keys"), lambda self, v: self._set("keys", v))
+    values = property(lambda self: self._get("values"), lambda self, v: self._set("values", v))
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys = self.values = None
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._append("keys", key_states)
+        self._append("values", value_states)
+        return self.keys, self.values
+
+    def _append(self, name: str, new: torch.Tensor) -> None:
+        """[B, H, S, D] held + new [B, H, N, D] -> [B, H, S + N, D] held, written into the room (grown by a quarter
+        and 128 slots when it runs out)."""
+        buffer, held = self._buffers[name], self._held[name]
+        need = held + new.shape[2]
+        if buffer is None or buffer.shape[2] < need or buffer.shape[:2] != new.shape[:2] or buffer.dtype != new.dtype:
+            grown = new.new_empty(new.shape[0], new.shape[1], need + need // 4 + 128, new.shape[3])
+            if held:
+                grown[:, :, :held] = buffer[:, :, :held]
+            buffer = self._buffers[name] = grown
+        buffer[:, :, held:need] = new
+        self._held[name] = need
+
+
 # cache layer class -> the layer types (the keys of transformers' per-type mask mapping) it serves: a chunked layer
 # (Llama 4) keeps a window of its chunk's size, like a sliding one; its mask counts the window by chunks
-SUPPORTED_LAYERS = {DynamicLayer: (FULL,), DynamicSlidingWindowLayer: (SLIDING, CHUNKED)}
+SUPPORTED_LAYERS = {DynamicLayer: (FULL,), SlackLayer: (FULL,), DynamicSlidingWindowLayer: (SLIDING, CHUNKED)}
 _WHY = {
     "linear_attention": "a recurrent / state-space (Mamba-style) or linear-attention state",
     "conv": "a causal-convolution state",
@@ -82,9 +139,11 @@ def uses_alibi(config) -> bool:
 
 
 def new_cache(model) -> DynamicCache:
-    """A fresh ``DynamicCache`` for ``model``; refuses models with layers tree verification cannot rewind."""
+    """A fresh ``DynamicCache`` for ``model`` (full-attention layers as :class:`SlackLayer`); refuses models with
+    layers tree verification cannot rewind."""
     cache = DynamicCache(config=text_config(model.config))
     check_cache(cache)
+    cache.layers = [SlackLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -171,7 +230,7 @@ def rows_cache(model) -> DynamicCache:
     window is cut by the mask (:func:`medusa_lite.kv.batch_attention_mask`); a model without sliding layers gets
     the same cache as :func:`new_cache`."""
     cache = new_cache(model)
-    cache.layers = [layer if not layer.is_sliding else DynamicLayer() for layer in cache.layers]
+    cache.layers = [layer if not layer.is_sliding else SlackLayer() for layer in cache.layers]
     return cache
 
 
