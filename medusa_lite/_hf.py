@@ -91,7 +91,7 @@ def grouped_attention():
     head once per query head it serves (``repeat_kv``): a copy of the whole cache, 3x its size on the default model,
     in every layer of every step; at 600 cached tokens and a 16-token tree that copy costs as much as the attention.
     torch's SDPA on CPU takes the grouped heads directly (``enable_gqa``) and gives the same result bit for bit
-    (``tests/test_kv.py``). On other devices, and outside this block, nothing changes."""
+    (``tests/test_batch.py``). On other devices, and outside this block, nothing changes."""
     if not _install_grouped_attention():
         yield
         return

@@ -31,8 +31,8 @@ def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: Tr
     continuation with :func:`medusa_lite.verify.accept`: a node is right when it holds the target's greedy token
     after its path. The next step is where that step's accepted tokens end, as in greedy decoding: a mean over
     *every* position instead would count a long accepted run once per position inside it (a repetition the
-    lookup branch copies scored ~2x its decoding rate on Spec-Bench continuations). Returns ``{"mean_tokens": accepted + bonus per
-    step, "draft_seconds": mean seconds per drafting call, "steps": positions replayed, "mean_nodes":
+    lookup branch copies scored ~2x its decoding rate on Spec-Bench continuations). Returns ``{"mean_tokens":
+    accepted + bonus per step, "draft_seconds": mean seconds per drafting call, "steps": steps replayed, "mean_nodes":
     tree nodes per step, root included, "by_bucket": the same per context-length bucket}`` (the context of
     a step is the cache length before its root, t + 1; :class:`medusa_lite.fit.Candidate` fields).
     ``features``: the sequences' drafter features [L, F] (:func:`drafter_inputs`), if already computed. The
