@@ -214,3 +214,28 @@ def test_replay_steps_where_greedy_decoding_steps():
     replayed = replay_acceptance(model, [(out[0], prompt.shape[1])], parse_tree(tree, 2))
     assert abs(replayed["steps"] - stats.verify_steps) <= 1  # the last step may be cut by the continuation's end
     assert replayed["mean_tokens"] == pytest.approx(decoded, rel=0.1)
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra", "eagle3"])
+def test_replaying_many_trees_in_one_pass_scores_each_as_alone(head_type):
+    """The calibration replays every candidate in one pass over the continuations, cutting static trees from one
+    draft of their union: each tree's steps and accepted tokens are what replaying it alone gives (a node's token
+    depends on its own path only), whatever else shares the pass: static trees, lookup branches, grown trees."""
+    from conftest import tiny_model
+
+    from medusa_lite.calibrate import replay_trees
+    from medusa_lite.tree import parse_tree
+
+    model = random_heads(MedusaModel(tiny_model(vocab=16), MedusaConfig(num_heads=3, head_type=head_type)), std=0.3)
+    trees = [[[0], [1], [0, 0], [0, 0, 0]], [[1], [1, 0], [1, 1]], [[0], [0, 0]],
+             {"tree": [[0], [1]], "prompt_lookup": 4, "ngram": 2}, {"tree": [], "prompt_lookup": 6}]
+    if head_type != "medusa":
+        trees.append({"tree": {"dynamic": {"nodes": 4, "depth": 2, "topk": 2, "expand": 2}}, "prompt_lookup": 3})
+    trees = [parse_tree(t, 3) for t in trees]
+    prompts = [torch.tensor([[1, 5, 3, 4, 1, 5, 3]]), torch.tensor([[7, 9, 3]])]
+    sequences = [(model.generate(p, max_new_tokens=40, do_sample=False, fit=False)[0], p.shape[1]) for p in prompts]
+    together = replay_trees(model, sequences, trees)
+    for tree, shared in zip(trees, together):
+        (alone,) = replay_trees(model, sequences, [tree])
+        assert shared == alone, tree
+    assert len({r["mean_tokens"] for r in together}) > 2  # the trees differ: a test that can fail

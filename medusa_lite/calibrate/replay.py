@@ -1,68 +1,142 @@
 """Measured acceptance: trees replayed on the target's own greedy continuations (:func:`replay_acceptance`) or run
 with sampling (:func:`measure_sampling`), per context bucket, and the continuations themselves (:func:`continuations`).
 
-:func:`replay_acceptance` drafts at the positions greedy decoding would verify at, exactly as decoding would, and
-walks the tree against the true continuation (what greedy verification would accept there). It scores any tree,
-including dynamic ones (EAGLE-2 style) the independence formula cannot, and times the drafting itself.
+:func:`replay_trees` drafts at the positions greedy decoding would verify at, as decoding would, and walks each
+tree against the true continuation (what greedy verification would accept there), every tree in one pass. It scores
+any tree, including dynamic ones (EAGLE-2 style) the independence formula cannot.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from ..decode.plans import StaticTree, shared_buffers, with_lookup_branch
+from ..drafters import Draft
 from ..fit import BUCKETS, bucket_of
 from ..fit.probe import overhead_per_step
 from ..specbench import chat_prompt
-from ..tree import TreeSpec, tree_json
+from ..tree import DynamicTree, TreeSpec, WithLookup, tree_json, truncate, validate_choices
 from ..verify import accept
 from .accuracy import drafter_inputs
 
 @torch.no_grad()
 def replay_acceptance(model, sequences: list[tuple[torch.Tensor, int]], tree: TreeSpec,
                       features: list[torch.Tensor] | None = None, buckets=BUCKETS) -> dict:
-    """Measured tokens per step of ``tree`` on the target's own greedy continuations (greedy decoding).
+    """Measured tokens per step of ``tree`` on the target's own greedy continuations: :func:`replay_trees` of
+    one tree."""
+    return replay_trees(model, sequences, [tree], features, buckets)[0]
 
-    At a step's position t of ``ids[start - 1:]`` the tree is drafted from the target's hidden state at t with
+
+@torch.no_grad()
+def replay_trees(model, sequences: list[tuple[torch.Tensor, int]], trees: list[TreeSpec],
+                 features: list[torch.Tensor] | None = None, buckets=BUCKETS, progress: bool = False) -> list[dict]:
+    """Measured tokens per step of each of ``trees`` on the target's own greedy continuations (greedy decoding).
+
+    At a step's position t of ``ids[start - 1:]`` a tree is drafted from the target's hidden state at t with
     the true token at t + 1 as root (what decoding sees after an accepted step), and walked against the true
     continuation with :func:`medusa_lite.verify.accept`: a node is right when it holds the target's greedy token
-    after its path. The next step is where that step's accepted tokens end, as in greedy decoding: a mean over
-    *every* position instead would count a long accepted run once per position inside it (a repetition the
-    lookup branch copies scored ~2x its decoding rate on Spec-Bench continuations). Returns ``{"mean_tokens":
-    accepted + bonus per step, "draft_seconds": mean seconds per drafting call, "steps": steps replayed, "mean_nodes":
-    tree nodes per step, root included, "by_bucket": the same per context-length bucket}`` (the context of
-    a step is the cache length before its root, t + 1; :class:`medusa_lite.fit.Candidate` fields).
-    ``features``: the sequences' drafter features [L, F] (:func:`drafter_inputs`), if already computed. The
-    drafter's state walks the true sequence by ``start`` and ``commit`` exactly as decoding moves it.
+    after its path. A tree's next step is where that step's accepted tokens end, as in greedy decoding: a mean
+    over *every* position instead would count a long accepted run once per position inside it (a repetition the
+    lookup branch copies scored ~2x its decoding rate on Spec-Bench continuations).
+
+    One pass serves every tree: the drafter's state walks the true sequence once (``start``, then ``commit`` of
+    the root at each position, exactly as decoding moves it), and at each position where some static tree steps
+    (alone or under a prompt-lookup branch) the union of the static trees is drafted once and each tree's nodes
+    are read off it. A node's token depends only on its own path (its ancestors' tokens and ranks), so the union
+    holds what each tree alone would draft, up to the float rounding of a wider drafting batch. A tree grown per
+    step (:class:`DynamicTree`) is grown once per position for every candidate built on it (with or without a
+    lookup branch). Per tree: ``{"mean_tokens": accepted + bonus per
+    step, "steps": steps replayed, "mean_nodes": tree nodes per step, root included, "by_bucket": the same per
+    context-length bucket}`` (the context of a step is the cache length before its root, t + 1;
+    :class:`medusa_lite.fit.Candidate` fields). ``features``: the sequences' drafter features [L, F]
+    (:func:`drafter_inputs`), if already computed.
     """
-    plan, drafter = model.plan(tree), model.drafter
-    total, steps, seconds, nodes_total = 0, 0, 0.0, 0
-    per_bucket = BucketCounts(buckets)
+    drafter = model.drafter
+    replays = [_Replay(tree, model) for tree in trees]
+    union = validate_choices(sorted({tuple(p) for r in replays if r.choices is not None for p in r.choices}))
+    node_of = {tuple(p): i + 1 for i, p in enumerate(union)}  # a static tree's nodes within the union's draft
+    for r in replays:
+        r.index_in(node_of)
+    union_plan = StaticTree(drafter, union, model.heads_device)
     accept_root = torch.zeros(1, dtype=torch.long)
+    positions = sum(max(ids.numel() - max(start - 1, 0) - 2, 0) for ids, start in sequences)
+    bar = tqdm(total=positions, desc=f"replaying {len(trees)} tree(s)", disable=not progress)
     for i, (ids, start) in enumerate(sequences):
         feats = features[i] if features is not None else drafter_inputs(model, ids)  # [L, F]
         first = max(start - 1, 0)
         state = drafter.start([ids[: first + 2]], feats[None, : first + 1])  # accepted up to first, root ids[first + 1]
-        step_at = first
+        for r in replays:
+            r.step_at = first
         for t in range(first, ids.numel() - 2):
-            if t == step_at:
-                t0 = time.perf_counter()
-                (tokens, buffers, _), = plan(state, ids.numel() - t - 2)
-                seconds += time.perf_counter() - t0
-                truth = ids[(t + 2 + buffers.depths).clamp(max=ids.numel() - 1)]  # [N] greedy token after each node
-                nodes, _ = accept(tokens, truth, buffers.paths)
-                step_at = t + nodes.numel()  # the next step's position: past the accepted tokens and the bonus
-                total += nodes.numel()  # accepted + bonus
-                nodes_total += buffers.num_nodes
-                steps += 1
-                per_bucket.add(t + 1, nodes.numel(), buffers.num_nodes)
+            stepping = [r for r in replays if r.step_at == t]
+            if stepping:
+                max_depth = ids.numel() - t - 2
+                truth_at = lambda depths: ids[(t + 2 + depths).clamp(max=ids.numel() - 1)]  # noqa: E731
+                drafted = union_plan(state, max_depth)[0] if any(r.choices is not None for r in stepping) else None
+                grown = {}  # dynamic tree -> its draft at this position
+                for r in stepping:
+                    r.step(state, drafted, grown, max_depth, t, truth_at, buckets)
             # the root (position t + 1) accepted alone: the drafter's state moves one position along the truth
             drafter.commit(state, [accept_root.to(ids.device)], feats[None, t + 1: t + 2], [ids[: t + 3]])
-    return {"mean_tokens": total / max(steps, 1), "draft_seconds": seconds / max(steps, 1), "steps": steps,
-            "mean_nodes": nodes_total / max(steps, 1), "by_bucket": per_bucket.to_dict()}
+            bar.update(1)
+    bar.close()
+    return [r.result() for r in replays]
+
+
+class _Replay:
+    """One tree's walk in :func:`replay_trees`: its next step's position and its counts."""
+
+    def __init__(self, tree: TreeSpec, model):
+        base = tree.tree if isinstance(tree, WithLookup) else tree
+        self.lookup = tree if isinstance(tree, WithLookup) else None
+        self.choices = None if isinstance(base, DynamicTree) else base  # static: cut from the union's draft
+        self.grown = (base, model.plan(base)) if self.choices is None else None
+        self.device = model.heads_device
+        self.step_at = 0
+        self.total, self.steps, self.nodes = 0, 0, 0
+        self.per_bucket = None
+
+    def index_in(self, node_of: dict) -> None:
+        if self.choices is not None:
+            self.index = torch.tensor([0] + [node_of[tuple(p)] for p in self.choices], device=self.device)
+
+    def draft(self, state, drafted, grown: dict, max_depth: int):
+        """This tree's draft at the state's position (``drafted``: the union's draft, depth capped alike; ``grown``:
+        the dynamic trees' drafts at this position so far)."""
+        if self.grown is not None:
+            base, plan = self.grown
+            if base not in grown:
+                (grown[base],) = plan(state, max_depth)
+            draft = grown[base]
+        else:
+            choices, index = self.choices, self.index
+            if choices and len(choices[-1]) > max_depth:  # near the continuation's end: a shallower tree
+                choices = truncate(choices, max_depth)
+                index = index[: len(choices) + 1]  # choices are sorted by depth: the kept ones come first
+            draft = Draft(drafted.tokens[index], shared_buffers(choices, self.device))
+        if self.lookup is not None:
+            draft = with_lookup_branch(draft, state.ids[0], self.lookup.tokens, self.lookup.ngram, max_depth)
+        return draft
+
+    def step(self, state, drafted, grown: dict, max_depth: int, t: int, truth_at, buckets) -> None:
+        tokens, buffers, _ = self.draft(state, drafted, grown, max_depth)
+        nodes, _ = accept(tokens, truth_at(buffers.depths), buffers.paths)  # [N] greedy token after each node
+        self.step_at = t + nodes.numel()  # the next step's position: past the accepted tokens and the bonus
+        self.total += nodes.numel()  # accepted + bonus
+        self.nodes += buffers.num_nodes
+        self.steps += 1
+        if self.per_bucket is None:
+            self.per_bucket = BucketCounts(buckets)
+        self.per_bucket.add(t + 1, nodes.numel(), buffers.num_nodes)
+
+    def result(self) -> dict:
+        counts = self.per_bucket or BucketCounts()
+        return {"mean_tokens": self.total / max(self.steps, 1), "steps": self.steps,
+                "mean_nodes": self.nodes / max(self.steps, 1), "by_bucket": counts.to_dict()}
 
 
 class BucketCounts:

@@ -8,12 +8,11 @@ import json
 import sys
 import time
 
-from tqdm.auto import tqdm
 
 from ..fit import BUCKETS, AcceptanceTable, Candidate
 from ..tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json
 from .accuracy import drafter_inputs
-from .replay import measure_sampling, replay_acceptance
+from .replay import measure_sampling, replay_trees
 
 ACCEPTANCE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 ACCEPTANCE_LOOKUP = (4, 8, 16)
@@ -46,10 +45,9 @@ def acceptance_table(model, sequences, acc, questions, args):
     the tokens per step (and tree tokens) per context bucket form the heads' :class:`AcceptanceTable`."""
     greedy, sample = acceptance_candidates(model, acc)
     features = [drafter_inputs(model, ids) for ids, _ in sequences]
-    rows = []
-    for tree in tqdm(greedy, desc="replaying greedy candidates"):
-        r = replay_acceptance(model, sequences, parse_tree(tree, model.config.num_heads), features=features)
-        rows.append(Candidate(tree=tree, **r["by_bucket"]))
+    replayed = replay_trees(model, sequences, [parse_tree(t, model.config.num_heads) for t in greedy], features,
+                            progress=True)
+    rows = [Candidate(tree=tree, **r["by_bucket"]) for tree, r in zip(greedy, replayed)]
     sampled, prompts = [], []
     if args.sample_temperature > 0:
         prompts = [ids[:start] for ids, start in sequences]

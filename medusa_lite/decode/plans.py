@@ -77,18 +77,22 @@ class PromptLookup:
         self.plan, self.tokens, self.ngram = plan, tokens, ngram
 
     def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
-        return [self._with_branch(draft, ids, max_depth) for draft, ids in zip(self.plan(state, max_depth), state.ids)]
+        return [with_lookup_branch(draft, ids, self.tokens, self.ngram, max_depth)
+                for draft, ids in zip(self.plan(state, max_depth), state.ids)]
 
-    def _with_branch(self, draft: Draft, ids: torch.Tensor, max_depth: int) -> Draft:
-        chain = lookup_continuation(ids, self.ngram, min(self.tokens, max_depth))
-        if chain.numel() == 0:
-            return draft
-        parents, merged = merge_chain(draft.buffers.parents, draft.tokens.tolist(), chain.tolist())
-        if len(parents) == len(draft.buffers.parents):  # the drafter had drafted the whole branch already
-            return draft
-        # the added nodes come last: their proposals are one-hot (Proposals.at)
-        return Draft(torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device),
-                     draft.proposals)
+
+def with_lookup_branch(draft: Draft, ids: torch.Tensor, tokens: int, ngram: int, max_depth: int) -> Draft:
+    """``draft`` plus the prompt-lookup branch of ``ids`` [L] (root last): up to ``tokens`` tokens, no deeper than
+    ``max_depth``, merged under the root so siblings stay distinct."""
+    chain = lookup_continuation(ids, ngram, min(tokens, max_depth))
+    if chain.numel() == 0:
+        return draft
+    parents, merged = merge_chain(draft.buffers.parents, draft.tokens.tolist(), chain.tolist())
+    if len(parents) == len(draft.buffers.parents):  # the drafter had drafted the whole branch already
+        return draft
+    # the added nodes come last: their proposals are one-hot (Proposals.at)
+    return Draft(torch.tensor(merged, dtype=torch.long, device=ids.device), buffers_from_parents(parents, ids.device),
+                 draft.proposals)
 
 
 def make_plan(drafter: Drafter, tree: TreeSpec, device: torch.device, sampler=None) -> Plan:
