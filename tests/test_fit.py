@@ -140,6 +140,32 @@ def test_guard_corrects_predictions_by_what_it_saw():
     assert busy.rung() == 0
 
 
+def test_ladder_keeps_the_drafter_alone_below_lookup_branches():
+    """Where the fastest rungs all carry a prompt-lookup branch (which pays only on text that repeats itself), the
+    ladder's last tree rung is the fastest tree without one, the guard's fallback before the root alone."""
+    lookups = [Candidate({"tree": t, "prompt_lookup": n}, [3.0, 3.0, 3.0], [len(t) + n + 1] * 3, [100] * 3)
+               for t in (SMALL, MEDIUM) for n in (4, 8)]
+    ladders = fit_trees(lookups + _candidates()[:2], _table(lambda n, c: 0.01 + 0.001 * n), {}, overhead=0.0)
+    trees = [r.tree for r in ladders[0]]
+    assert len(trees) == 5 and trees[-1] == PLAIN and trees[-2] in (SMALL, MEDIUM)
+    assert all("prompt_lookup" in t for t in trees[:3])
+    assert fit_trees(lookups, _table(lambda n, c: 0.01 + 0.001 * n), {}, overhead=0.0)[0][-2].tree != PLAIN
+
+
+def test_guard_judges_the_drafter_alone_apart_from_a_starved_lookup_branch():
+    """A lookup rung that accepts nothing says little of the drafter alone: the guard moves to the drafter's rung
+    (predicted faster than the root at the speed it saw), not past it."""
+    ladder = [Rung(LOOKUP, 3.0, 0.012), Rung(SMALL, 1.4, 0.008), Rung(PLAIN, 1.0, 0.007)]
+    guard = SpeedGuard(ladder, window=4, retry=100)
+    for _ in range(4):
+        guard.record(1, 0.012)
+    assert guard.rung() == 1
+    same_kind = SpeedGuard([Rung(LARGE, 3.0, 0.012), Rung(SMALL, 1.4, 0.008), Rung(PLAIN, 1.0, 0.007)], window=4)
+    for _ in range(4):
+        same_kind.record(1, 0.012)
+    assert same_kind.rung() == 2  # the drafter itself accepted nothing: the root alone
+
+
 def test_guard_decides_from_past_steps_only():
     guard = SpeedGuard(_ladder(), window=1, retry=2)
     before = guard.rung()

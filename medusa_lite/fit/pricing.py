@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..decode.adaptive import Rung
 from ..machine import describe
-from ..tree import parse_tree, tree_key, tree_nodes
+from ..tree import has_lookup, parse_tree, tree_key, tree_nodes
 from .latency import BUCKETS, bucket_contexts, latency_at, max_tokens
 from .table import Candidate
 
@@ -50,8 +50,19 @@ def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]],
             if rung.tokens_per_second > plain.tokens_per_second:
                 rungs.append((rung, nodes))
         rungs.sort(key=lambda rn: (-round(rn[0].tokens_per_second, 9), rn[1]))
-        ladders.append([r for r, _ in rungs[:max_rungs]] + [plain])
+        ladders.append(_diverse([r for r, _ in rungs], max_rungs) + [plain])
     return ladders
+
+
+def _diverse(rungs: list[Rung], max_rungs: int) -> list[Rung]:
+    """The ``max_rungs`` fastest rungs, the last of them the fastest without a prompt-lookup branch where none of
+    the others is one: a lookup branch pays on text that repeats itself, far less on text that does not (which
+    the guard then learns), and the drafter alone is the rung it falls back to before the root."""
+    kept = rungs[:max_rungs]
+    own = next((r for r in rungs if not has_lookup(r.tree)), None)
+    if own is not None and own not in kept:
+        kept = kept[: max_rungs - 1] + [own]
+    return kept
 
 
 def _widest(tree) -> int:

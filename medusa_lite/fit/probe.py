@@ -18,7 +18,9 @@ from ..drafters import drafter_features
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes
 
 PROBE_CACHE_LENGTHS = (128, 1024)
-PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 48, 64)
+# Sizes 3, 6 and 12 too: a GEMM's cost is a staircase in its rows on some CPUs (Intel MKL's AVX-512 fp32 GEMM takes
+# rows three at a time below 16: 3 tree tokens cost about what 1 does, 4 about twice), which 2-4-8 interpolation hides.
+PROBE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 48, 64)
 DEFAULT_BUDGET_S = 5.0
 
 
@@ -150,7 +152,7 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     """Measure this machine for :func:`medusa_lite.fit.fit_trees`.
 
     model: a :class:`medusa_lite.MedusaModel`; candidates: the trees (JSON form) whose drafting is timed.
-    Verify latency is measured for 1, 2, 4, ... tree tokens at each of :data:`PROBE_CACHE_LENGTHS`, two
+    Verify latency is measured for 1, 2, 3, 4, 6, ... tree tokens (:data:`PROBE_TOKENS`) at each of :data:`PROBE_CACHE_LENGTHS`, two
     timed repeats each (the faster kept), up to the largest candidate; it stops growing where a forward
     already costs more than ``max_tokens_per_step`` single-token forwards (no tree can pay beyond), and
     when ``budget_s`` is spent. With ``packed`` (:class:`medusa_lite.kernels.PackedLinears`) the sizes it

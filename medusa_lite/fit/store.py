@@ -22,7 +22,7 @@ from ..paths import cache_dir
 from ..tree import tree_key
 from .probe import DEFAULT_BUDGET_S, probe
 
-FIT_FORMAT = "medusa_lite.fit/3"  # 3: verify forwards with grouped attention and a cache with room (cheaper)
+FIT_FORMAT = "medusa_lite.fit/4"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase)
 
 
 def cache_path(key: str) -> Path:

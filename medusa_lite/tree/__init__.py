@@ -13,10 +13,10 @@ from .buffers import (Level, TreeBuffers, attention_bias, buffers_from_parents, 
                       tree_tokens, within_window)
 from .design import expected_length, grow_tree
 from .lookup import lookup_continuation, merge_chain
-from .spec import (Choices, DynamicTree, TreeSpec, WithLookup, chain, load_tree, parse_tree, tree_json, tree_key,
-                   tree_nodes, truncate, validate_choices)
+from .spec import (Choices, DynamicTree, TreeSpec, WithLookup, chain, has_lookup, load_tree, parse_tree, tree_json,
+                   tree_key, tree_nodes, truncate, validate_choices)
 
 __all__ = ["Choices", "DynamicTree", "Level", "TreeBuffers", "TreeSpec", "WithLookup", "attention_bias",
-           "buffers_from_parents", "build_buffers", "chain", "expected_length", "grow_tree", "load_tree",
+           "buffers_from_parents", "build_buffers", "chain", "expected_length", "grow_tree", "has_lookup", "load_tree",
            "lookup_continuation", "merge_chain", "parse_tree", "sliding_attention_bias", "tree_json", "tree_key",
            "tree_nodes", "tree_tokens", "truncate", "validate_choices", "within_window"]

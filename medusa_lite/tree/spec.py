@@ -129,6 +129,11 @@ def tree_nodes(tree: TreeSpec) -> int:
     return tree.nodes if isinstance(tree, DynamicTree) else len(tree)
 
 
+def has_lookup(tree) -> bool:
+    """Whether ``tree`` (JSON form or parsed) has a prompt-lookup branch."""
+    return isinstance(tree, WithLookup) or (isinstance(tree, dict) and "prompt_lookup" in tree)
+
+
 def tree_json(tree: TreeSpec):
     """The JSON form of a tree (a list of paths, or ``{"dynamic": {...}}``)."""
     return tree.to_json() if isinstance(tree, (DynamicTree, WithLookup)) else tree
