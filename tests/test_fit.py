@@ -152,20 +152,6 @@ def test_ladder_keeps_the_drafter_alone_below_lookup_branches():
     assert fit_trees(lookups, _table(lambda n, c: 0.01 + 0.001 * n), {}, overhead=0.0)[0][-2].tree != PLAIN
 
 
-def test_guard_judges_the_drafter_alone_apart_from_a_starved_lookup_branch():
-    """A lookup rung that accepts nothing says little of the drafter alone: the guard moves to the drafter's rung
-    (predicted faster than the root at the speed it saw), not past it."""
-    ladder = [Rung(LOOKUP, 3.0, 0.012), Rung(SMALL, 1.4, 0.008), Rung(PLAIN, 1.0, 0.007)]
-    guard = SpeedGuard(ladder, window=4, retry=100)
-    for _ in range(4):
-        guard.record(1, 0.012)
-    assert guard.rung() == 1
-    same_kind = SpeedGuard([Rung(LARGE, 3.0, 0.012), Rung(SMALL, 1.4, 0.008), Rung(PLAIN, 1.0, 0.007)], window=4)
-    for _ in range(4):
-        same_kind.record(1, 0.012)
-    assert same_kind.rung() == 2  # the drafter itself accepted nothing: the root alone
-
-
 def test_guard_decides_from_past_steps_only():
     guard = SpeedGuard(_ladder(), window=1, retry=2)
     before = guard.rung()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..drafters import Draft, DraftState
-from ..tree import has_lookup, tree_key
+from ..tree import tree_key
 from .plans import Plan
 
 BUCKETS = (0, 256, 1024)            # context-length buckets: [0, 256), [256, 1024), [1024, ...)
@@ -113,9 +113,7 @@ class SpeedGuard:
 
     def estimate(self, level: int, measured: int) -> float:
         """Tokens/s expected of ``level``: realized if fresh, else its prediction corrected by the ``measured``
-        rung's realized step time (time factor) and, between rungs alike in having a prompt-lookup branch or not,
-        realized drafted tokens per step (acceptance factor): text that never repeats starves a lookup branch and
-        says little of the drafter alone."""
+        rung's realized step time (time factor) and realized drafted tokens per step (acceptance factor)."""
         fresh = self.realized(level)
         if fresh is not None and self.age[level] <= self.wait + self.window:
             return fresh
@@ -124,8 +122,6 @@ class SpeedGuard:
         slowdown = (sum(s for _, s in steps) / len(steps)) / seen.step_seconds
         drafted = sum(t for t, _ in steps) / len(steps) - 1.0  # accepted drafted tokens per step
         acceptance = min(drafted / (seen.tokens_per_step - 1.0), 1.0) if seen.tokens_per_step > 1.0 else 1.0
-        if has_lookup(rung.tree) != has_lookup(seen.tree):
-            acceptance = 1.0
         return (1.0 + max(acceptance, 0.0) * (rung.tokens_per_step - 1.0)) / (rung.step_seconds * slowdown)
 
     def move(self, level: int) -> None:
