@@ -237,6 +237,7 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     shutil.rmtree(Path(args.output_dir) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
     marker.unlink()
     stats, ev = result["stats"], result.get("eval", {})
+    ledger = load_ledger(root, args)  # as it stands now: a data run may have added chunks while this one trained
     ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
                            "command": "medusa-lite train --config " + args.train_config + " " + " ".join(overrides),
                            "steps": stats["step"], "positions": stats["tokens"],
