@@ -162,7 +162,7 @@ class BucketCounts:
 
 @torch.no_grad()
 def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], max_new_tokens: int,
-                     temperature: float, seed: int = 0, buckets=BUCKETS) -> list[dict]:
+                     temperature: float, seed: int = 0, buckets=BUCKETS, progress: bool = False) -> list[dict]:
     """Sampled generation with each of ``trees`` after each prompt ([L] ids), measured: tokens per step and
     decoding speed (prefill excluded). Trees alternate per prompt (machine noise spreads evenly) and
     every tree sees the same prompts and seeds.
@@ -173,6 +173,7 @@ def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], 
     """
     totals = [[0, 0, 0.0] for _ in trees]  # tokens, steps, seconds
     per_bucket = [BucketCounts(buckets) for _ in trees]
+    bar = tqdm(total=len(prompts) * len(trees), desc=f"sampling {len(trees)} tree(s)", disable=not progress)
     for i, ids in enumerate(prompts):
         for total, counts, tree in zip(totals, per_bucket, trees):
             generator = torch.Generator(device=model.device).manual_seed(seed + i)
@@ -186,6 +187,8 @@ def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], 
             for tokens, nodes in zip(stats.tokens_per_step, stats.nodes_per_step):
                 counts.add(context, tokens, nodes)
                 context += tokens
+            bar.update(1)
+    bar.close()
     return [{"tokens_per_step": tokens / max(steps, 1), "tokens_per_second": tokens / max(seconds, 1e-9),
              "steps": steps, "by_bucket": counts.to_dict()} for (tokens, steps, seconds), counts in zip(totals, per_bucket)]
 

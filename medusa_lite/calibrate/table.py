@@ -54,7 +54,8 @@ def acceptance_table(model, sequences, acc, questions, args):
         if args.sample_prompts:  # spread over the tasks
             prompts = prompts[::max(1, len(prompts) // args.sample_prompts)][:args.sample_prompts]
         trees = [parse_tree(t, model.config.num_heads) for t in sample]
-        measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed)
+        measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed,
+                                    progress=True)
         sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": args.target or "SmolLM2-135M-Instruct",
             "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
