@@ -56,7 +56,7 @@ def replay_trees(model, sequences: list[tuple[torch.Tensor, int]], trees: list[T
     (:func:`drafter_inputs`), if already computed.
     """
     drafter = model.drafter
-    replays = [_Replay(tree, model) for tree in trees]
+    replays = [_Replay(tree, model, buckets) for tree in trees]
     union = validate_choices(sorted({tuple(p) for r in replays if r.choices is not None for p in r.choices}))
     node_of = {tuple(p): i + 1 for i, p in enumerate(union)}  # a static tree's nodes within the union's draft
     for r in replays:
@@ -79,7 +79,7 @@ def replay_trees(model, sequences: list[tuple[torch.Tensor, int]], trees: list[T
                 drafted = union_plan(state, max_depth)[0] if any(r.choices is not None for r in stepping) else None
                 grown = {}  # dynamic tree -> its draft at this position
                 for r in stepping:
-                    r.step(state, drafted, grown, max_depth, t, truth_at, buckets)
+                    r.step(state, drafted, grown, max_depth, t, truth_at)
             # the root (position t + 1) accepted alone: the drafter's state moves one position along the truth
             drafter.commit(state, [accept_root.to(ids.device)], feats[None, t + 1: t + 2], [ids[: t + 3]])
             bar.update(1)
@@ -90,7 +90,7 @@ def replay_trees(model, sequences: list[tuple[torch.Tensor, int]], trees: list[T
 class _Replay:
     """One tree's walk in :func:`replay_trees`: its next step's position and its counts."""
 
-    def __init__(self, tree: TreeSpec, model):
+    def __init__(self, tree: TreeSpec, model, buckets=BUCKETS):
         base = tree.tree if isinstance(tree, WithLookup) else tree
         self.lookup = tree if isinstance(tree, WithLookup) else None
         self.choices = None if isinstance(base, DynamicTree) else base  # static: cut from the union's draft
@@ -98,7 +98,7 @@ class _Replay:
         self.device = model.heads_device
         self.step_at = 0
         self.total, self.steps, self.nodes = 0, 0, 0
-        self.per_bucket = None
+        self.per_bucket = BucketCounts(buckets)
 
     def index_in(self, node_of: dict) -> None:
         if self.choices is not None:
@@ -122,21 +122,18 @@ class _Replay:
             draft = with_lookup_branch(draft, state.ids[0], self.lookup.tokens, self.lookup.ngram, max_depth)
         return draft
 
-    def step(self, state, drafted, grown: dict, max_depth: int, t: int, truth_at, buckets) -> None:
+    def step(self, state, drafted, grown: dict, max_depth: int, t: int, truth_at) -> None:
         tokens, buffers, _ = self.draft(state, drafted, grown, max_depth)
         nodes, _ = accept(tokens, truth_at(buffers.depths), buffers.paths)  # [N] greedy token after each node
         self.step_at = t + nodes.numel()  # the next step's position: past the accepted tokens and the bonus
         self.total += nodes.numel()  # accepted + bonus
         self.nodes += buffers.num_nodes
         self.steps += 1
-        if self.per_bucket is None:
-            self.per_bucket = BucketCounts(buckets)
         self.per_bucket.add(t + 1, nodes.numel(), buffers.num_nodes)
 
     def result(self) -> dict:
-        counts = self.per_bucket or BucketCounts()
         return {"mean_tokens": self.total / max(self.steps, 1), "steps": self.steps,
-                "mean_nodes": self.nodes / max(self.steps, 1), "by_bucket": counts.to_dict()}
+                "mean_nodes": self.nodes / max(self.steps, 1), "by_bucket": self.per_bucket.to_dict()}
 
 
 class BucketCounts:
