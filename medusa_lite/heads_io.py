@@ -16,6 +16,7 @@ from ._hf import text_config
 from .config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME
 from .drafters import DRAFTERS, MedusaConfig
 from .drafters.registry import public_drafter
+from .paths import PRETRAINED_ROOT, bundled_heads
 from .tree import load_tree, parse_tree, tree_json
 
 PUBLIC_WEIGHTS = ("model.safetensors", "medusa_lm_head.safetensors")  # vLLM / SpecForge, FasterDecoding
@@ -91,14 +92,18 @@ def public_checkpoint(heads_dir: Path) -> tuple[MedusaConfig, dict[str, torch.Te
 
 
 def resolve_heads_dir(heads: str | Path, revision: str | None = None) -> Path:
-    """A local heads directory as it is; otherwise ``heads`` as a Hub repo id (``org/name``), downloaded or found in
-    the local cache by ``huggingface_hub.snapshot_download`` (safetensors and JSON only)."""
+    """A local heads directory as it is; else the name of a bundled drafter (:func:`medusa_lite.paths.bundled_heads`);
+    otherwise ``heads`` as a Hub repo id (``org/name``), downloaded or found in the local cache by
+    ``huggingface_hub.snapshot_download`` (safetensors and JSON only)."""
     path = Path(heads)
     if path.is_dir():
         return path
+    if str(heads) in bundled_heads():
+        return PRETRAINED_ROOT / str(heads)
     parts = str(heads).split("/")
     if len(parts) != 2 or not all(parts) or path.exists():
-        raise FileNotFoundError(f"{heads}: no such heads directory (nor a Hub repo id 'org/name')")
+        raise FileNotFoundError(f"{heads}: no such heads directory (nor a bundled drafter {bundled_heads()}, nor a "
+                                "Hub repo id 'org/name')")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 

@@ -9,13 +9,21 @@ from pathlib import Path
 _PACKAGE = Path(__file__).parent
 # the shipped configs: the checkout's top-level configs/, installed as the package medusa_lite.configs
 CONFIGS_DIR = Path(list(importlib.util.find_spec("medusa_lite.configs").submodule_search_locations)[0])
-PRETRAINED_DIR = _PACKAGE / "pretrained" / "smollm2-135m-instruct"
+PRETRAINED_ROOT = _PACKAGE / "pretrained"         # one folder per bundled drafter of the default target
+PRETRAINED_DIR = PRETRAINED_ROOT / "smollm2-135m-instruct"  # the default: what ``--heads`` unset loads
 _SUFFIXES = {"train": ".yaml", "serve": ".yaml", "deepspeed": ".json", "trees": ".json"}
 
 
 def cache_dir() -> Path:
     """``$MEDUSA_LITE_CACHE``, default ``~/.cache/medusa_lite``: converted targets and hardware fits."""
     return Path(os.environ.get("MEDUSA_LITE_CACHE", Path.home() / ".cache" / "medusa_lite"))
+
+
+def bundled_heads() -> list[str]:
+    """Names of the drafters shipped with the package (``--heads NAME`` loads one; the first is the default)."""
+    others = sorted(p.name for p in PRETRAINED_ROOT.iterdir()
+                    if (p / "medusa_config.json").is_file() and p != PRETRAINED_DIR)
+    return [PRETRAINED_DIR.name, *others] if (PRETRAINED_DIR / "medusa_config.json").is_file() else others
 
 
 def shipped_configs(kind: str) -> list[str]:

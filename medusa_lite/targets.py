@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ._hf import parse_dtype
-from .paths import PRETRAINED_DIR, cache_dir
+from .paths import PRETRAINED_DIR, PRETRAINED_ROOT, cache_dir
 
 DEFAULT_TARGET = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,8 +121,9 @@ def describe_heads(model) -> str:
     """Where ``model``'s heads came from, for reports: bundled, a directory, or fresh."""
     if model.heads_dir is None:
         return "fresh (untrained, zero-initialised)"
-    if Path(model.heads_dir).resolve() == PRETRAINED_DIR.resolve():
-        return f"bundled ({PRETRAINED_DIR.name})"
+    heads_dir = Path(model.heads_dir).resolve()
+    if heads_dir.parent == PRETRAINED_ROOT.resolve():
+        return f"bundled ({heads_dir.name})"
     return str(model.heads_dir)
 
 

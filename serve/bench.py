@@ -48,7 +48,8 @@ class BenchSettings:
     questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl (default: the copy shipped with "
                                                     "medusa_lite)")
     target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    heads: str | None = option(None, "heads directory (default: the bundled heads, else fresh heads)")
+    heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
+                               " (default: the bundled default, else fresh heads)")
     tree: str | None = option(None, "tree JSON file or a shipped tree name (default: the tree fitted to this machine)")
     fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
     dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")

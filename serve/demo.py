@@ -25,7 +25,8 @@ class DemoSettings:
 
     dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")
     max_new_tokens: int = option(128, "new tokens per prompt")
-    heads: str | None = option(None, "heads directory (default: the bundled heads)")
+    heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
+                               " (default: the bundled default)")
     fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
     threads: int | None = option(None, "torch.set_num_threads (default: torch's choice, every core; on a machine "
                                        "another process keeps busy, fewer threads than cores avoid oversubscription)")

@@ -46,7 +46,8 @@ class Settings:
     host: str = option("127.0.0.1", "listen address (0.0.0.0: all interfaces)")
     port: int = option(8000, "listen port")
     target: str | None = option(None, "HF directory or .gguf file; none: the bundled default target")
-    heads: str | None = option(None, "heads directory; none: the bundled heads (default target), else fresh heads")
+    heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
+                               "; none: the bundled default (default target), else fresh heads")
     dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "target dtype")
     device: str = option("cpu", "cpu or cuda")
     served_model_name: str | None = option(None, "the model id clients send; none: the target's name")

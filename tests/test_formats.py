@@ -166,3 +166,26 @@ def test_from_pretrained_takes_a_hub_repo_id_from_the_offline_cache(tmp_path, mo
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     assert model.push_to_hub("someone/tiny-heads").endswith("/commit/x")
     assert uploaded == {"repo": "someone/tiny-heads", "files": sorted(p.name for p in (repo / "snapshots" / commit).iterdir())}
+
+
+def test_a_bundled_drafter_is_named_by_its_folder(tmp_path, monkeypatch):
+    """``--heads NAME`` loads a drafter shipped with the package (the default first in the list); a local directory of
+    that name wins; an unknown bare name is refused with the bundled names."""
+    from medusa_lite import heads_io, paths
+
+    target = tiny_model("llama")
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=2)), std=0.2)
+    root = tmp_path / "pretrained"
+    for name in ("smollm2-135m-instruct", "smollm2-135m-instruct-hydra"):
+        model.save_pretrained(root / name)
+    monkeypatch.setattr(paths, "PRETRAINED_ROOT", root)
+    monkeypatch.setattr(paths, "PRETRAINED_DIR", root / "smollm2-135m-instruct")
+    monkeypatch.setattr(heads_io, "PRETRAINED_ROOT", root)
+    assert paths.bundled_heads() == ["smollm2-135m-instruct", "smollm2-135m-instruct-hydra"]
+    loaded = MedusaModel.from_pretrained(target, "smollm2-135m-instruct-hydra")
+    assert loaded.heads_dir == root / "smollm2-135m-instruct-hydra"
+    monkeypatch.chdir(tmp_path)
+    model.save_pretrained(tmp_path / "smollm2-135m-instruct-hydra")
+    assert heads_io.resolve_heads_dir("smollm2-135m-instruct-hydra") == Path("smollm2-135m-instruct-hydra")
+    with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct-hydra"):
+        heads_io.resolve_heads_dir("no-such-drafter")

@@ -37,7 +37,8 @@ ANSWER_BUCKETS = (16, 64, 128, 256, 512)   # upper bounds of the position in the
 class DiagnoseSettings:
     """``medusa-lite diagnose`` settings: these defaults < ``--config FILE`` < flags."""
 
-    heads: str | None = option(None, "heads directory (default: the bundled heads)")
+    heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
+                               " (default: the bundled default)")
     target: str | None = option(None, "target: HF directory or .gguf (default: the bundled default target)")
     questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl")
     per_task: int = option(5, "Spec-Bench questions per task (the first ones: the benchmark's own)")
