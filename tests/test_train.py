@@ -197,6 +197,31 @@ def test_kl_loss_is_zero_when_heads_reproduce_the_teacher():
     assert ce > 0
 
 
+def test_tvd_loss_is_one_minus_the_expected_acceptance_of_a_sampled_draft():
+    """loss="tvd" per position is 1 - sum_v min(p_v, q_v) (the chance rejection sampling rejects the head's draw),
+    zero when the head reproduces the teacher; "kl+tvd" is the sum of the two."""
+    torch.manual_seed(0)
+    k_heads, b, t, v = 2, 2, 10, 7
+    teacher = torch.randn(b, t, v)
+    weights = torch.ones(k_heads, b, t)
+    exact = torch.stack([torch.roll(teacher, shifts=-(1 + k), dims=1) for k in range(k_heads)])
+    assert heads_loss(exact, teacher, weights, loss="tvd", decay=1.0)[0].abs() < 1e-6
+    heads = torch.randn(k_heads, b, t, v)
+    n = t - k_heads - 1  # positions every head is trained on (num_positions)
+    p = torch.stack([teacher.softmax(-1)[:, 1 + k: 1 + k + n] for k in range(k_heads)])
+    accept = torch.minimum(p, heads[:, :, :n].softmax(-1)).sum(-1)                  # [K, B, n]
+    _, stats = heads_loss(heads, teacher, weights, loss="tvd", decay=1.0)
+    assert torch.allclose(stats["loss"], 1 - accept.mean((1, 2)), atol=1e-5)
+    from medusa_lite.train.loss import sampled_acceptance  # the held-out report of the same quantity
+    assert torch.allclose(sampled_acceptance(heads, teacher, weights) / (b * n), accept.mean((1, 2)), atol=1e-5)
+    kl, _ = heads_loss(heads, teacher, weights, loss="kl", decay=0.8)
+    tvd, _ = heads_loss(heads, teacher, weights, loss="tvd", decay=0.8)
+    both, _ = heads_loss(heads, teacher, weights, loss="kl+tvd", decay=0.8)
+    assert torch.allclose(both, kl + tvd, atol=1e-5)
+    with pytest.raises(ValueError, match="loss must be one of"):
+        heads_loss(heads, teacher, weights, loss="js")
+
+
 def test_reader_counts_malformed_records_and_keeps_a_truncated_array(tmp_path):
     records = [{"conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w2 w3"}]}] * 3
     text = json.dumps(records + [{"id": "x"}, {"conversations": [{"from": "human", "value": "hi"}]}])

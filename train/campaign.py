@@ -246,7 +246,8 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
                            "minutes": round(stats["this_run_seconds"] / 60, 1),
                            "data_chunks": sum(1 for e in ledger["data"] if e["records"]),
                            "answer_tokens": sum(e["answer_tokens"] for e in ledger["data"]),
-                           "heldout_top1": ev.get("top1"), "heldout_top5": ev.get("top5")})
+                           "heldout_top1": ev.get("top1"), "heldout_top5": ev.get("top5"),
+                           "heldout_accept_t1": ev.get("accept_t1")})
     save_ledger(root, ledger)
     print(f"campaign: drafter written to {root / base.head_type}; held-out top-1 {ev.get('top1')}")
 

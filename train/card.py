@@ -38,7 +38,9 @@ def launch_command(rt: Runtime, argv: list[str]) -> str:
 def model_card(p: dict[str, Any]) -> str:
     """The heads directory's README.md, rendered from the provenance stored in ``MedusaConfig.training``."""
     ev, cfg, data = p.get("eval", {}), p.get("config", {}), p["data"]
-    rows = "\n".join(f"| {k + 1} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} |" for k in range(len(ev.get("top1", []))))
+    accept = ev.get("accept_t1") or ["-"] * len(ev.get("top1", []))  # (absent from evaluations before it)
+    rows = "\n".join(f"| {k + 1} | {ev['top1'][k]:.3f} | {ev['top5'][k]:.3f} | {accept[k]} |"
+                     for k in range(len(ev.get("top1", []))))
     lm_head = "shared frozen target lm_head" if cfg.get("share_lm_head", True) else "per-head lm_head"
     vocab = (f"; the heads propose from the {cfg['draft_vocab']} most frequent trained tokens "
              f"({p.get('draft_vocab_coverage', 0):.4f} of trained tokens; `draft_ids` in the weights), in training "
@@ -68,8 +70,8 @@ Held-out agreement with the target's greedy token ({ev.get('eval_positions', 0)}
 held-out documents; the heads ranking the vocabulary they decode with): head k proposes the token k
 positions after the target's own next token{', reading the true tokens before it' if head_type != 'medusa' else ''}.
 
-| head | top-1 | top-5 |
-|---:|---:|---:|
+| head | top-1 | top-5 | sampled acceptance (T = 1) |
+|---:|---:|---:|---:|
 {rows}
 
 The full training config is `training.config` in `medusa_config.json`.

@@ -43,7 +43,9 @@ class TrainConfig:
                   "trains with the whole prompt in view, as it decodes")
     num_proc: int | None = option(None, "datasets.map workers")
     # loss / optimisation
-    loss: Literal["kl", "ce"] = option("kl", "kl: self-distillation to the target; ce: the data's tokens")
+    loss: Literal["kl", "ce", "tvd", "kl+tvd"] = option(
+        "kl", "kl: self-distillation to the target; ce: the data's tokens; tvd: total variation to the target (one "
+              "minus the expected acceptance of a sampled draft); kl+tvd: both")
     decay: float = option(0.8, "head k's loss weight is decay**k")
     lr: float = option(1e-3, "peak learning rate (AdamW, warmup then cosine)")
     weight_decay: float = option(0.0, "AdamW weight decay")
@@ -74,8 +76,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         from medusa_lite.drafters import DRAFTERS
+        from medusa_lite.drafters.heads import LOSSES
 
-        for name, allowed in (("loss", ("kl", "ce")), ("head_type", tuple(sorted(DRAFTERS))),
+        for name, allowed in (("loss", LOSSES), ("head_type", tuple(sorted(DRAFTERS))),
                               ("precision", ("auto", "bf16", "fp32"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from medusa_lite.drafters import drafter_features, num_positions
 from medusa_lite.train import data as D
-from medusa_lite.train.loss import agreement
+from medusa_lite.train.loss import agreement, sampled_acceptance
 
 from .config import TrainConfig
 from .engine import Engine
@@ -130,12 +130,13 @@ def train_step(cfg: TrainConfig, model, proj, engine: Engine, data: D.TokenData,
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden, rt: Runtime) -> dict[str, Any]:
     """Per-head top-1 / top-5 agreement with the target's argmax on the held-out windows, the heads
-    proposing from the vocabulary they decode with (``draft_ids`` when set)."""
+    proposing from the vocabulary they decode with (``draft_ids`` when set), and ``accept_t1``: the chance that
+    sampling at T = 1 accepts the head's draw (:func:`~medusa_lite.train.loss.sampled_acceptance`)."""
     starts = D.make_windows(data, seq_len=cfg.seq_len, num_heads=cfg.num_heads,
                             whole_documents=cfg.windows == "document")
     mine = starts[rt.rank::rt.world]
     hits = {1: torch.zeros(cfg.num_heads), 5: torch.zeros(cfg.num_heads)}
-    count = torch.zeros(cfg.num_heads)
+    count, accepted = torch.zeros(cfg.num_heads), torch.zeros(cfg.num_heads)
     lm_head = model.base_model.get_output_embeddings()
     vocab_ids = getattr(model.drafter, "draft_ids", None)
     n = num_positions(cfg.seq_len, cfg.num_heads)
@@ -148,13 +149,15 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
             got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5), vocab_ids=vocab_ids)
             for k in hits:
                 hits[k] += got[k]
+            accepted += sampled_acceptance(head_logits.float(), teacher.float(), weights.cpu(), vocab_ids)
             count += weights[:, :, :n].sum((1, 2)).cpu()
     if rt.world > 1:
-        for t in (*hits.values(), count):
+        for t in (*hits.values(), count, accepted):
             dist.all_reduce(t)
     c = count.clamp(min=1)
     return {"eval_positions": int(count[0]), "top1": [round(float(x), 4) for x in hits[1] / c],
-            "top5": [round(float(x), 4) for x in hits[5] / c]}
+            "top5": [round(float(x), 4) for x in hits[5] / c],
+            "accept_t1": [round(float(x), 4) for x in accepted / c]}
 
 
 def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: Runtime) -> dict[str, Any]:

@@ -32,3 +32,21 @@ def agreement(head_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: 
         for k in topk:
             out[k][h] = ((ranked[..., :k] == target).any(-1).float() * w).sum()
     return out
+
+
+@torch.no_grad()
+def sampled_acceptance(head_logits: torch.Tensor, teacher_logits: torch.Tensor, weights: torch.Tensor,
+                       vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sums [K] of ``sum_v min(p_v, q_v)``: the chance that rejection sampling at T = 1 accepts head k's
+    draw, p the target's distribution of the token, q the head's (shapes as :func:`agreement`)."""
+    num_heads, _, seq_len, _ = head_logits.shape
+    n = num_positions(seq_len, num_heads)
+    p = teacher_logits.float().softmax(-1)                              # [B, T, V]
+    if vocab_ids is not None:
+        p = p[..., vocab_ids.to(p.device)]                              # [B, T, V'] (q is 0 elsewhere)
+    out = torch.zeros(num_heads)
+    for h in range(num_heads):
+        q = head_logits[h, :, :n].float().softmax(-1)                   # [B, n, V']
+        accept = torch.minimum(p[:, 1 + h: 1 + h + n], q).sum(-1)       # [B, n]
+        out[h] = (accept * weights[h, :, :n].float()).sum()
+    return out

@@ -34,6 +34,9 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+LOSSES = ("kl", "ce", "tvd", "kl+tvd")  # the training losses a drafter may use (see heads_loss)
+
+
 def heads_loss(
     head_logits: torch.Tensor,        # [K, B, T, V'] draft logits at every window position
     teacher_logits: torch.Tensor,     # [B, T, V'] target logits at the same positions (no grad)
@@ -48,13 +51,15 @@ def heads_loss(
     Head k at t learns the token at t + 2 + k; its self-distillation teacher is the target's own
     distribution for that token, the target logits at t + 1 + k of the same window.
     ``loss="kl"``: ``KL(p_target(. | x<=t+1+k) || q_k(. | h_t))``; ``loss="ce"``: cross-entropy to the
-    data token ``x_{t+2+k}``. Returns (scalar loss, {"loss": [K], "top1": [K], "count": [K]}) where
+    data token ``x_{t+2+k}``; ``loss="tvd"``: the total variation ``1/2 sum |p - q|``, which is one minus the
+    chance that sampling (T = 1) accepts the head's draw, so it is the loss on expected acceptance; ``"kl+tvd"``:
+    their sum. Returns (scalar loss, {"loss": [K], "top1": [K], "count": [K]}) where
     ``top1`` is the weighted number of positions whose head argmax equals the target argmax.
     """
     num_heads, _, seq_len, _ = head_logits.shape
     n = num_positions(seq_len, num_heads)
-    if loss not in ("kl", "ce"):
-        raise ValueError(f"loss must be 'kl' or 'ce', got {loss!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     if loss == "ce" and input_ids is None:
         raise ValueError("loss='ce' needs input_ids")
     with torch.no_grad():
@@ -65,9 +70,13 @@ def heads_loss(
     for k in range(num_heads):
         w = weights[k, :, :n].to(torch.float32)                         # [B, n]
         logq = F.log_softmax(head_logits[k, :, :n].float(), dim=-1)     # [B, n, V']
-        if loss == "kl":
+        if loss != "ce":
             logp = teacher_logp[:, 1 + k: 1 + k + n]                   # [B, n, V']
-            per_token = (logp.exp() * (logp - logq)).sum(-1)           # [B, n]
+            per_token = torch.zeros_like(logq[..., 0])                 # [B, n]
+            if "kl" in loss:
+                per_token = per_token + (logp.exp() * (logp - logq)).sum(-1)
+            if "tvd" in loss:
+                per_token = per_token + 0.5 * (logp.exp() - logq.exp()).abs().sum(-1)
         else:
             target = input_ids[:, 2 + k: 2 + k + n]                     # [B, n]
             per_token = -logq.gather(-1, target[..., None])[..., 0]
