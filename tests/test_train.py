@@ -514,3 +514,39 @@ def test_distill_data_writes_the_targets_answers_and_resumes(material, tmp_path)
     assert {r["kind"] for r in rows} >= {"chat", "multi", "arithmetic"}
     assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
     assert any(len(r["messages"]) == 4 for r in rows if r["kind"] == "multi")  # user, assistant, user, target
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "hydra"])
+def test_warm_start_grows_a_draft_vocabulary_and_keeps_the_trained_rows(tmp_path, head_type):
+    """init_heads with a larger draft_vocab: every saved token stays (its trained lm_head rows with it), the most
+    frequent trained tokens fill the rest from the target's rows, so the drafter ranks the saved tokens as before;
+    a smaller vocabulary is refused."""
+    from conftest import random_heads, tiny_model
+
+    from medusa_lite import MedusaModel
+    from medusa_lite.drafters import config_class
+    from medusa_lite.train.data import TokenData
+    from medusa_lite.train.train import warm_start
+
+    target = tiny_model("llama", layers=4)
+    make = lambda size: MedusaModel(target, config_class(head_type)(num_heads=2, head_type=head_type,  # noqa: E731
+                                                                    draft_vocab_size=size))
+    small = random_heads(make(16), std=0.2, seed=1)
+    small.drafter.draft_ids.copy_(torch.arange(16) * 3)
+    small.drafter.vocabulary_changed()
+    random_heads(small, std=0.2, seed=1)
+    small.save_pretrained(tmp_path / "small")
+    ids = torch.tensor([5, 5, 5, 7, 7, 1, 0, 3] * 4)
+    data = TokenData(ids=ids, mask=torch.ones_like(ids), segments=torch.zeros_like(ids), num_docs=1)
+    big = make(20)
+    assert warm_start(big, tmp_path / "small", data) == 16
+    new = big.drafter.draft_ids
+    assert {*range(0, 48, 3), 5, 7, 1} <= set(new.tolist())  # the saved tokens, then the most frequent others
+    assert new.numel() == 20 and torch.equal(new, new.sort().values)
+    if head_type == "eagle3":
+        rows = torch.searchsorted(new, small.drafter.draft_ids)
+        assert torch.equal(big.drafter.lm_head.weight[rows], small.drafter.lm_head.weight)
+        fresh = [i for i, token in enumerate(new.tolist()) if token not in set(small.drafter.draft_ids.tolist())]
+        assert torch.equal(big.drafter.lm_head.weight[fresh], target.get_output_embeddings().weight[new[fresh]])
+    with pytest.raises(ValueError, match="can grow, not shrink"):
+        warm_start(make(8), tmp_path / "small", data)

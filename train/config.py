@@ -26,7 +26,8 @@ class TrainConfig:
     aux_layers: Ints | None = option(None, "eagle3: the target hidden_states it reads (none: 2, L // 2, L - 3)")
     intermediate_size: int | None = option(None, "eagle3: its MLP width (none: the target's)")
     init_heads: str | None = option(None, "a heads directory of the same shape whose weights (draft vocabulary "
-                                          "included) a fresh run starts from; a checkpoint to resume wins")
+                                          "included) a fresh run starts from; a larger draft_vocab grows from its "
+                                          "vocabulary; a checkpoint to resume wins")
     # data
     data: str = option("sharegpt", "'sharegpt' or a .json / .jsonl file (chat messages or {\"text\"}); several "
                                    "comma-separated, each optionally NAME[start:stop] of its seeded shuffle")

@@ -28,7 +28,7 @@ from .card import launch_command, save_heads
 from .config import TrainConfig, resolve_precision
 from .engine import Engine
 from .features import cached_features
-from .loop import choose_draft_vocabulary, evaluate, run
+from .loop import choose_draft_vocabulary, evaluate, run, trained_token_counts
 from .runtime import Runtime, init_runtime, leave, log0
 
 
@@ -64,23 +64,67 @@ def build_model(cfg: TrainConfig, rt: Runtime):
     return model, tokenizer
 
 
-def warm_start(model, heads_dir: str | Path) -> None:
-    """Load a saved drafter's weights (and draft vocabulary) into ``model``'s fresh drafter of the same shape."""
+def warm_start(model, heads_dir: str | Path, data: D.TokenData | None = None) -> int | None:
+    """Load a saved drafter's weights (and draft vocabulary) into ``model``'s fresh drafter of the same shape; a
+    larger draft vocabulary than the saved one is grown from it with ``data`` (:func:`grow_vocabulary`). Returns the
+    saved vocabulary's size when it grew."""
     from medusa_lite.heads_io import load_weights, read_heads
 
     saved, state = read_heads(Path(heads_dir))
+    grown_from = None
     for key in ("head_type", "num_heads", "num_layers", "draft_vocab_size"):
-        if getattr(saved, key) != getattr(model.config, key):
-            raise ValueError(f"init_heads={heads_dir}: its {key} is {getattr(saved, key)!r}, this run's "
-                             f"{getattr(model.config, key)!r}")
+        if getattr(saved, key) == getattr(model.config, key):
+            continue
+        if key == "draft_vocab_size" and data is not None and grows(saved.draft_vocab_size, model.config):
+            state, grown_from = grow_vocabulary(model, state, trained_token_counts(model, data)), saved.draft_vocab_size
+            continue
+        raise ValueError(f"init_heads={heads_dir}: its {key} is {getattr(saved, key)!r}, this run's "
+                         f"{getattr(model.config, key)!r}" + (" (a draft vocabulary can grow, not shrink)"
+                                                                if key == "draft_vocab_size" else ""))
     load_weights(model.drafter, state, Path(heads_dir))
+    return grown_from
+
+
+def grows(saved_size: int | None, config) -> bool:
+    """Whether a drafter saved with a ``saved_size`` draft vocabulary can start one of ``config``'s larger one."""
+    return saved_size is not None and (config.draft_vocab_size or config.vocab_size) > saved_size
+
+
+def grow_vocabulary(model, state: dict[str, torch.Tensor], counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``state`` (a saved drafter's weights) fitted to ``model``'s larger draft vocabulary: every saved token stays
+    with its trained rows; the most frequent trained tokens (``counts`` [V]) fill the rest, their rows as a fresh
+    drafter starts them (the target's own, :meth:`Drafter.vocabulary_changed`)."""
+    old = state["draft_ids"]                                            # [V0] sorted token ids
+    size = model.config.draft_vocab_size or model.config.vocab_size
+    counts = counts.clone().float()
+    counts[old] = -1.0                                                  # already in: not drawn again
+    new = torch.cat([old, counts.topk(size - old.numel()).indices]).sort().values  # [V1]
+    drafter = model.drafter
+    if model.config.draft_vocab_size is not None:
+        drafter.draft_ids.copy_(new.to(drafter.draft_ids.device))
+    drafter.vocabulary_changed()
+    fresh = drafter.state_dict()
+    rows = torch.searchsorted(new, old)                                 # [V0]: where the saved tokens now sit
+    grown = {}
+    for key, tensor in state.items():
+        if key == "draft_ids":
+            continue
+        if tensor.shape != fresh[key].shape and tensor.shape[0] == old.numel() and fresh[key].shape[0] == new.numel():
+            merged = fresh[key].clone()                                 # vocabulary rows: the fresh ones...
+            merged[rows] = tensor.to(merged.dtype)                      # ...but the trained ones where saved
+            tensor = merged
+        grown[key] = tensor
+    if model.config.draft_vocab_size is not None:
+        grown["draft_ids"] = new
+    return grown
 
 
 def start_drafter(cfg: TrainConfig, model, train_data: D.TokenData, rt: Runtime) -> None:
     """A fresh run's starting point: ``init_heads``' weights, else the draft vocabulary of this data."""
     if cfg.init_heads:
-        warm_start(model, cfg.init_heads)
-        log0(rt, f"warm start from {cfg.init_heads} (its weights and draft vocabulary)")
+        grown_from = warm_start(model, cfg.init_heads, train_data)
+        log0(rt, f"warm start from {cfg.init_heads} (its weights and draft vocabulary"
+                 + (f", grown from {grown_from} tokens)" if grown_from else ")"))
     else:
         choose_draft_vocabulary(cfg, model, train_data)
 
