@@ -325,6 +325,23 @@ def test_heads_directory_carries_the_acceptance_table(tmp_path):
     assert again.acceptance.to_dict() == model.acceptance.to_dict()
 
 
+def test_guard_reaches_a_lookup_rung_past_a_drafter_alone_rung_that_never_pays():
+    """The rungs above the root take turns being tried: when the text starts repeating itself (a loop, where the
+    lookup rung accepts 6 tokens a step), the guard finds the lookup rung even though the rung just above the root
+    (the drafter alone) never pays; trying only the rung just above would never leave it."""
+    ladder = [Rung(LARGE, 2.0, 0.010), Rung(SMALL, 1.3, 0.008), Rung(PLAIN, 1.0, 0.007)]
+    guard = SpeedGuard(ladder, window=4, retry=16, max_retry=64)
+    levels = []
+    for step in range(600):
+        level = guard.rung()
+        levels.append(level)
+        looping = step >= 200
+        tokens = {0: 7 if looping else 1, 1: 1, 2: 1}[level]
+        guard.record(tokens, {0: 0.010, 1: 0.008, 2: 0.007}[level])
+    assert levels[150:200].count(2) > 40  # before the loop: the root alone, nothing pays
+    assert levels[400:].count(0) > 190    # in the loop: the lookup rung, found and kept
+
+
 def test_guard_backs_off_when_tries_keep_failing():
     guard = SpeedGuard(_ladder(), window=4, retry=16, max_retry=128)
     levels = []

@@ -52,9 +52,10 @@ class SpeedGuard:
     rung showed, both in time (steps running slower than predicted: a busy machine) and in acceptance
     (fewer drafted tokens accepted than the table says: harder text than the calibration's). The guard
     moves to the fastest of them, down to the root alone (no speculation). After ``retry`` steps below the
-    top it tries one rung up again, for ``window`` steps, so a tree that stopped paying for a while is
-    picked up again when it pays; a try that fails doubles the wait before the next one (up to
-    ``max_retry``), one that holds resets it, so text where no tree pays costs little exploring.
+    top it tries a rung above again, for ``window`` steps (the rungs above take turns: :meth:`next_try`), so a
+    tree that stopped paying for a while is picked up again when it pays; a try that fails doubles the wait
+    before the next one (up to ``max_retry``), one that holds resets it, so text where no tree pays costs little
+    exploring.
 
     Exactness: :meth:`rung` depends only on steps already finished (their token counts and durations),
     never on the draws of the step it is asked for. A step's tree is therefore fixed before that step
@@ -108,8 +109,14 @@ class SpeedGuard:
         if level > 0:
             self.below_top += 1
             if self.below_top >= self.wait:
-                self.move(level - 1)
+                self.move(self.next_try(level))
                 self.trying = True
+
+    def next_try(self, level: int) -> int:
+        """The rung above ``level`` to try next: the one whose figures are oldest (never taken first, nearest
+        first among those), so the rungs above take turns; always the one just above would never reach a lookup
+        rung past a drafter-alone rung that does not pay, however much the text starts to repeat itself."""
+        return max(range(level), key=lambda r: (self.age[r], r))
 
     def estimate(self, level: int, measured: int) -> float:
         """Tokens/s expected of ``level``: realized if fresh, else its prediction corrected by the ``measured``
