@@ -42,3 +42,21 @@ def test_default_model_is_cached_and_fast_to_reload(default_model):
     assert (cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file()
     model, _ = default_model
     assert model.config.vocab_size == 49152 and model.config.hidden_size == 576
+
+
+@pytest.mark.slow
+def test_every_bundled_drafter_loads_on_the_default_target_and_decodes_exactly(default_model):
+    """The default bundle (EAGLE-3) is what load_model() picks; every other bundle (Hydra) loads by its name onto
+    the same target and decodes token for token as plain greedy decoding."""
+    from medusa_lite import MedusaModel
+    from medusa_lite.paths import PRETRAINED_DIR, bundled_heads
+
+    torch.set_num_threads(DEFAULT_THREADS)
+    model, tok = default_model
+    assert bundled_heads()[0] == PRETRAINED_DIR.name and model.heads_dir == PRETRAINED_DIR
+    assert model.config.head_type == "eagle3"
+    ids = chat_prompt(tok, PROMPTS[2])
+    ref = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
+    for name in bundled_heads()[1:]:
+        other = MedusaModel.from_pretrained(model.base_model, name)
+        assert torch.equal(other.generate(ids, max_new_tokens=64, do_sample=False), ref), name
