@@ -21,9 +21,8 @@ def cache_dir() -> Path:
 
 def bundled_heads() -> list[str]:
     """Names of the drafters shipped with the package (``--heads NAME`` loads one; the first is the default)."""
-    others = sorted(p.name for p in PRETRAINED_ROOT.iterdir()
-                    if (p / "medusa_config.json").is_file() and p != PRETRAINED_DIR)
-    return [PRETRAINED_DIR.name, *others] if (PRETRAINED_DIR / "medusa_config.json").is_file() else others
+    names = sorted(p.name for p in PRETRAINED_ROOT.iterdir() if (p / "medusa_config.json").is_file())
+    return sorted(names, key=lambda name: name != PRETRAINED_DIR.name)  # stable: the default, then the rest
 
 
 def shipped_configs(kind: str) -> list[str]:

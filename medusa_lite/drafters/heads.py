@@ -72,11 +72,12 @@ def heads_loss(
         logq = F.log_softmax(head_logits[k, :, :n].float(), dim=-1)     # [B, n, V']
         if loss != "ce":
             logp = teacher_logp[:, 1 + k: 1 + k + n]                   # [B, n, V']
+            p = logp.exp()
             per_token = torch.zeros_like(logq[..., 0])                 # [B, n]
             if "kl" in loss:
-                per_token = per_token + (logp.exp() * (logp - logq)).sum(-1)
+                per_token = per_token + (p * (logp - logq)).sum(-1)
             if "tvd" in loss:
-                per_token = per_token + 0.5 * (logp.exp() - logq.exp()).abs().sum(-1)
+                per_token = per_token + 0.5 * (p - logq.exp()).abs().sum(-1)
         else:
             target = input_ids[:, 2 + k: 2 + k + n]                     # [B, n]
             per_token = -logq.gather(-1, target[..., None])[..., 0]
