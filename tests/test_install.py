@@ -61,14 +61,19 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
 def test_the_installed_copy_is_imported_with_its_data(installed):
     bin_dir, work = installed
     code = ("import json, medusa_lite, medusa_lite.train.train as t, medusa_lite.serve.server as s;"
-            "from medusa_lite.specbench import DEFAULT_QUESTIONS; from medusa_lite.paths import CONFIGS_DIR;"
+            "from medusa_lite.specbench import DEFAULT_QUESTIONS;"
+            "from medusa_lite.paths import CONFIGS_DIR, PRETRAINED_ROOT, bundled_heads;"
             "print(json.dumps([medusa_lite.__file__, t.__file__, s.__file__, str(DEFAULT_QUESTIONS),"
-            " sorted(p.name for p in CONFIGS_DIR.rglob('*.*'))]))")
+            " sorted(p.name for p in CONFIGS_DIR.rglob('*.*')),"
+            " [str(PRETRAINED_ROOT / n / 'heads.safetensors') for n in bundled_heads()]]))")
     files = json.loads(_run([bin_dir / "python", "-c", code], cwd=work))
     venv_root = str(bin_dir.parent)
     assert all(f.startswith(venv_root) for f in files[:4]), files  # not the checkout
     assert Path(files[3]).is_file()  # the Spec-Bench questions ship inside the package
     assert {"smollm2-135m.yaml", "default.yaml", "zero2.json", "zero3.json", "medusa-16.json"} <= set(files[4])
+    bundles = files[5]  # every bundled drafter ships in the wheel, the default first
+    assert [Path(b).parent.name for b in bundles] == ["smollm2-135m-instruct", "smollm2-135m-instruct-hydra"]
+    assert all(b.startswith(venv_root) and Path(b).is_file() for b in bundles), bundles
 
 
 @pytest.mark.slow
