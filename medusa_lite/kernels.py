@@ -4,13 +4,16 @@ On a CPU, a verify forward of a few tree tokens is a set of small-M GEMMs (M = t
 ordinary fp32 GEMM pays a packing step for M >= 2 that a one-token GEMV does not (on an AVX2-only CPU
 two tokens cost ~1.6x one through the 49152 x 576 ``lm_head``), so the forward costs far more than
 reading the weights once. With the weights packed once (``torch.ops.mkl._mkl_reorder_linear_weight``),
-MKL's packed GEMM skips that step; it is used for exactly the packed row count, so inputs of
-2..``rows`` rows are zero-padded to ``rows`` (the padding rows' outputs are dropped).
+MKL's packed GEMM skips that step. A packed copy serves exactly the row count it was packed for, so the weights
+are packed for a few counts (:data:`PACKED_ROWS`) and an input of m rows is zero-padded to the smallest count
+>= m (the padding rows' outputs are dropped): on an AVX2 CPU a 2-token verify forward costs ~1.25x one token
+through the 4-row pack, ~1.4x through an 8-row one and ~1.9x through the stock GEMM.
 
 :class:`PackedLinears` is a ``TorchFunctionMode``: while it is active (verify forwards only, and only for
 the tree sizes where the probe measured it faster), ``F.linear`` on one of the target's fp32 CPU linear
 weights takes the packed path; everything else, and the whole model outside the mode, is untouched.
-No modeling code is forked. The packed copy costs as much memory as the linear weights. Results differ
+No modeling code is forked. Each packed copy costs as much memory as the linear weights, so only as many row
+counts are packed as fit in a quarter of the memory available (:func:`packed_rows`). Results differ
 from ``F.linear`` only in summation order (as any two GEMM kernels do), so greedy output stays the
 target's own up to floating-point ties, like every tree forward.
 """
@@ -18,37 +21,82 @@ target's own up to floating-point ties, like every tree forward.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-PACKED_ROWS = 8
+PACKED_ROWS = (4, 8, 16, 32)  # row counts packed for (batch-1 trees; batched verify steps of several rows)
+MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (Linux ``MemAvailable``; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def linear_bytes(target) -> int:
+    """Bytes of the target's fp32 linear weights (what one packed copy costs)."""
+    return sum(m.weight.numel() * 4 for m in target.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32)
+
+
+def packed_rows(target, counts: tuple[int, ...] = PACKED_ROWS, available: int | None = None) -> tuple[int, ...]:
+    """The row counts to pack for: the smallest of ``counts`` first, as many as fit in :data:`MEMORY_SHARE` of the
+    memory ``available`` (default: read now; unknown: the smallest count alone)."""
+    available = available_memory() if available is None else available
+    each = max(linear_bytes(target), 1)
+    fit = 1 if available is None else int(MEMORY_SHARE * available // each)
+    return tuple(sorted(counts)[:fit])
 
 
 def packing_available(target) -> bool:
-    """fp32 weights on a CPU with PyTorch's MKL packed-GEMM ops."""
+    """fp32 weights on a CPU with PyTorch's MKL packed-GEMM ops, and memory for at least one packed copy."""
     weight = target.get_output_embeddings().weight
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+            and bool(packed_rows(target)))
+
+
+def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:
+    """``counts`` as a sorted tuple (None: :func:`packed_rows`); each at least 2."""
+    counts = packed_rows(target) if counts is None else (counts,) if isinstance(counts, int) else counts
+    if not counts or min(counts) < 2:
+        raise ValueError(f"packed row counts must be 2 or more, got {counts!r}")
+    return tuple(sorted(set(counts)))
 
 
 class PackedLinears(TorchFunctionMode):
     """``with PackedLinears(target):`` routes the target's fp32 ``F.linear`` calls with 2..``rows`` input rows
-    through MKL's packed GEMM (weights packed once, at construction)."""
+    through MKL's packed GEMM (weights packed once per row count of ``counts``, at construction; ``counts=None``:
+    :func:`packed_rows`)."""
 
-    def __init__(self, target, rows: int = PACKED_ROWS):
+    def __init__(self, target, counts: tuple[int, ...] | int | None = None):
         super().__init__()
         if not packing_available(target):
             raise ValueError("packed linears need fp32 weights on a CPU with MKL")
-        self.rows = rows
-        self._packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # data_ptr -> (weight, version, packed)
+        self.counts = row_counts(target, counts)
+        self.rows = self.counts[-1]
+        # data_ptr -> (weight, version, {row count: packed copy})
+        self._packed: dict[int, tuple[torch.Tensor, int, dict[int, torch.Tensor]]] = {}
         with torch.no_grad():
             for module in target.modules():
                 if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
                     w = module.weight.detach()
-                    self._packed[w.data_ptr()] = (w, w._version, torch.ops.mkl._mkl_reorder_linear_weight(w, rows))
+                    self._packed[w.data_ptr()] = (w, w._version, {
+                        n: torch.ops.mkl._mkl_reorder_linear_weight(w, n) for n in self.counts})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -68,9 +116,10 @@ class PackedLinears(TorchFunctionMode):
         m = x2.shape[0]
         if not 1 < m <= self.rows:
             return None
-        if m < self.rows:
-            x2 = torch.cat([x2, x2.new_zeros(self.rows - m, x2.shape[1])])  # [rows, K]
-        y = torch.ops.mkl._mkl_linear(x2, entry[2], entry[0], bias, self.rows)[:m]  # [M, N]
+        rows = next(n for n in self.counts if n >= m)
+        if m < rows:
+            x2 = torch.cat([x2, x2.new_zeros(rows - m, x2.shape[1])])  # [rows, K]
+        y = torch.ops.mkl._mkl_linear(x2, entry[2][rows], entry[0], bias, rows)[:m]  # [M, N]
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -79,14 +128,16 @@ class VerifyKernels:
     measured it faster than the stock kernels). The weights are packed on first use (a one-time cost per
     process), or ``packed`` is reused (the probe's own)."""
 
-    def __init__(self, target, first: int, rows: int = PACKED_ROWS, packed: PackedLinears | None = None):
-        self.target, self.first, self.rows = target, first, rows
-        self._packed = packed
+    def __init__(self, target, first: int, counts: tuple[int, ...] | int | None = None,
+                 packed: PackedLinears | None = None):
+        self.target, self.first, self._packed = target, first, packed
+        self.counts = packed.counts if packed is not None else row_counts(target, counts)
+        self.rows = self.counts[-1]
 
     def prepare(self) -> None:
         """Pack now (once), so that no decoding step pays for it."""
         if self._packed is None:
-            self._packed = PackedLinears(self.target, self.rows)
+            self._packed = PackedLinears(self.target, self.counts)
 
     def context(self, tokens: int):
         """A context manager for a verify forward of ``tokens`` tree tokens."""

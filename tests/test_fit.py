@@ -284,7 +284,7 @@ def test_packed_linears_match_linear():
     from medusa_lite.kernels import PackedLinears
 
     target = tiny_model("llama")
-    packed = PackedLinears(target, rows=4)
+    packed = PackedLinears(target, counts=(2, 4))  # 3 rows are padded to the 4-row pack
     layer = target.model.layers[0].mlp.up_proj
     for m in (1, 2, 3, 4, 6):
         x = torch.randn(1, m, layer.in_features)
@@ -302,6 +302,16 @@ def test_packed_linears_match_linear():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
+def test_packed_row_counts_fit_in_a_share_of_the_available_memory():
+    from medusa_lite.kernels import MEMORY_SHARE, PACKED_ROWS, linear_bytes, packed_rows
+
+    target = tiny_model("llama")
+    each = linear_bytes(target)
+    assert packed_rows(target, available=int(100 * each / MEMORY_SHARE)) == PACKED_ROWS
+    assert packed_rows(target, available=int(2.5 * each / MEMORY_SHARE)) == PACKED_ROWS[:2]  # the smallest first
+    assert packed_rows(target, available=int(0.5 * each / MEMORY_SHARE)) == ()  # not even one copy: no packing
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # nn.Linear layers (GPT-2's Conv1D is never packed)
 def test_greedy_equals_plain_with_packed_verify(arch):
     from medusa_lite.kernels import VerifyKernels
@@ -309,7 +319,7 @@ def test_greedy_equals_plain_with_packed_verify(arch):
     target = tiny_model(arch)
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
-    kernels = VerifyKernels(target, first=2, rows=8)
+    kernels = VerifyKernels(target, first=2, counts=(4, 8))
     model.use_fit(restless_fit(ADAPTIVE_TREES), guard=CyclingGuard, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):

@@ -22,7 +22,8 @@ from ..paths import cache_dir
 from ..tree import tree_key
 from .probe import DEFAULT_BUDGET_S, probe
 
-FIT_FORMAT = "medusa_lite.fit/4"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase)
+FIT_FORMAT = "medusa_lite.fit/5"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
+# 5: the packed path packs for 4, 8, 16 and 32 rows (was 8 alone), so its latency table changed
 
 
 def cache_path(key: str) -> Path:
