@@ -56,11 +56,11 @@ def main():
     eos = set(eos if isinstance(eos, list) else [eos])
     model.generate(prompts[0][None], max_new_tokens=8)  # the fit (probe, or its cache) and a warm-up
     target.generate(prompts[0][None], max_new_tokens=8, do_sample=False)
-    runs = {"transformers plain generate": target.generate, "medusa_lite generate (bundled Hydra, fitted)":
+    runs = {"transformers plain generate": target.generate, "medusa_lite generate (bundled default drafter, fitted)":
             model.generate}
     if len(sys.argv) > 4:
         eagle3 = MedusaModel.from_pretrained(target, sys.argv[4])
-        runs["medusa_lite generate (campaign EAGLE-3, its default tree)"] = eagle3.generate
+        runs[f"medusa_lite generate ({sys.argv[4]}, its stored tree)"] = eagle3.generate
     rows = []
     alone = batch1(runs, prompts, max_tokens)
     for name, generate in runs.items():

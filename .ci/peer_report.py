@@ -45,7 +45,7 @@ def main():
     out = Path(sys.argv[1])
     vllm, ours = (json.loads((out / f"{n}.json").read_text()) for n in ("vllm", "ours"))
     servers = {name: json.loads((out / f"{key}-server.json").read_text())
-               for key, name in (("vllm", "vLLM (plain)"), ("ours", "medusa_lite (bundled Hydra, fitted)"))
+               for key, name in (("vllm", "vLLM (plain)"), ("ours", "medusa_lite (bundled default drafter, fitted)"))
                if (out / f"{key}-server.json").is_file()}
     print(f"Machine: {cpu()} ({platform.machine()}); fp32, greedy; {ours['prompts']} Spec-Bench questions (the first "
           f"of each category), {ours['max_tokens']} new tokens; medusa_lite one torch thread, vLLM its own CPU "

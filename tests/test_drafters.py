@@ -124,6 +124,30 @@ def test_decoding_computes_what_training_scores_on_the_true_path(name):
                 torch.testing.assert_close(logits[0], trained[k, t], atol=1e-4, rtol=1e-4)
 
 
+def test_eagle3_positions_committed_by_root_alone_steps_are_read_in_when_it_next_drafts():
+    """Commits of steps that drafted nothing stay pending and are read in together by the next draft (or every
+    SETTLE_EVERY positions): the cache and the draft equal those of reading each step in at once."""
+    from medusa_lite.drafters.eagle3 import SETTLE_EVERY
+
+    model = _model("eagle3")
+    drafter = model.drafter
+    ids = model.base_model.generate(torch.tensor([[1, 7, 30, 12, 4]]), max_new_tokens=40, do_sample=False)[0]
+    features = _features(model, ids[None])  # [1, T, F]
+    buffers = build_buffers([[0], [1], [0, 0]])
+    for steps in (3, SETTLE_EVERY + 5):  # read in at the draft; once on the way (the bound) and at the draft
+        lazy = drafter.start([ids[:5]], features[:, :4])
+        eager = drafter.start([ids[:5]], features[:, :4])
+        for t in range(4, 4 + steps):  # root-alone steps: position t accepted, ids[t + 1] the new root
+            for state in (lazy, eager):
+                drafter.commit(state, [torch.tensor([0])], features[:, t: t + 1], [ids[: t + 2]])
+            drafter.settle(eager.cache[0])
+        assert lazy.cache[0].length == eager.cache[0].length == 4 + steps
+        assert len(lazy.cache[0].pending) == steps % SETTLE_EVERY
+        torch.testing.assert_close(drafter.settle(lazy.cache[0]).keys, eager.cache[0].keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lazy.cache[0].last, eager.cache[0].last, atol=1e-5, rtol=1e-5)
+        assert torch.equal(drafter.propose(lazy, buffers, 8)[0].tokens, drafter.propose(eager, buffers, 8)[0].tokens)
+
+
 def test_eagle3_export_has_exactly_the_names_shapes_and_dtypes_vllm_loads():
     """vLLM's llama_eagle3.py: midlayer.* (q/k/v read 2H), fc [H, 3H], norm, lm_head [V', H], d2t (long offsets:
     target id = i + d2t[i]), t2d (bool over the target vocabulary); config Eagle3LlamaForCausalLM."""

@@ -18,7 +18,7 @@ the data token at t + 1 + k, and attends to step 0 at positions <= t and to step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -127,18 +127,26 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h.to(self.post_attention_layernorm.weight.dtype))) + h
 
 
+SETTLE_EVERY = 16  # committed positions a row's cache holds unread before a commit reads them in
+
+
 @dataclass
 class RowCache:
     """One row's drafter KV cache over the accepted prefix: keys, values [kv_heads, P, D]; the pre-norm output
-    at the last prefix position (whose logits propose the depth-1 tokens)."""
+    at the last prefix position (whose logits propose the depth-1 tokens). ``pending``: positions committed but
+    not yet read in, (features [n, 3H], tokens [n]) per commit: steps that verify the root alone draft nothing,
+    so their positions are read in together (one drafter forward) when the row next drafts, or every
+    :data:`SETTLE_EVERY` positions."""
 
     keys: torch.Tensor
     values: torch.Tensor
     last: torch.Tensor
+    pending: list = field(default_factory=list)
 
     @property
     def length(self) -> int:
-        return self.keys.shape[1]
+        """Positions committed (read in or pending)."""
+        return self.keys.shape[1] + sum(tokens.numel() for _, tokens in self.pending)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -263,17 +271,32 @@ class Eagle3Drafter(PathDrafter):
         return state
 
     def commit(self, state: DraftState, accepted, hidden, ids) -> None:
-        """Extend each row's cache over its accepted positions (their target features, the tokens after them)."""
+        """Each row's accepted positions (their target features, the tokens after them) join its cache: pending,
+        read in by the row's next draft (:meth:`settle`) or once :data:`SETTLE_EVERY` are pending."""
         for b, (nodes, row) in enumerate(zip(accepted, ids)):
             cache = state.cache[b]
             tokens = row[cache.length + 1: cache.length + 1 + nodes.numel()]
-            state.cache[b] = self._extend(cache, hidden[b, nodes.to(hidden.device)], tokens)
+            cache.pending.append((hidden[b, nodes.to(hidden.device)], tokens))
+            if cache.length - cache.keys.shape[1] >= SETTLE_EVERY:
+                self.settle(cache)
         super().commit(state, accepted, hidden, ids)
 
+    def settle(self, cache: RowCache) -> RowCache:
+        """Read a row's pending positions into its cache (in place: every view of the row sees it), in one
+        drafter forward."""
+        if cache.pending:
+            features = torch.cat([f for f, _ in cache.pending])
+            tokens = torch.cat([t for _, t in cache.pending])
+            cache.pending = []
+            extended = self._extend(cache, features, tokens)
+            cache.keys, cache.values, cache.last = extended.keys, extended.values, extended.last
+        return cache
+
     def _extend(self, cache: RowCache | None, features: torch.Tensor, tokens: torch.Tensor) -> RowCache:
-        """Entries for the next n positions: features [n, 3H] of the target there, tokens [n] that follow them."""
+        """Entries for the next n positions after a read-in ``cache``: features [n, 3H] of the target there,
+        tokens [n] that follow them."""
         cfg, layer = self.config, self.midlayer
-        start = 0 if cache is None else cache.length
+        start = 0 if cache is None else cache.keys.shape[1]
         n = tokens.numel()
         positions = torch.arange(start, start + n, device=tokens.device)
         hidden = self.fc(features.to(self.fc.weight.dtype))
@@ -288,7 +311,7 @@ class Eagle3Drafter(PathDrafter):
     def begin(self, hidden, ids, cache):
         if cache is None:
             raise ValueError("an eagle3 drafter drafts from its own cache: build the state with start()")
-        return {"cache": cache, "keys": [], "values": [], "entry": {}, "state": None}
+        return {"cache": self.settle(cache), "keys": [], "values": [], "entry": {}, "state": None}
 
     def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
         cache: RowCache = ctx["cache"]
