@@ -140,7 +140,7 @@ class Engine:
     rows' trees in one target forward of at most ``max_batched_tokens`` tree tokens. Each row stops, streams and
     fails on its own: its output is its solo output whatever the other rows do."""
 
-    def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 8,
+    def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 16,
                  max_batched_tokens: int = 128):
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens

@@ -52,7 +52,7 @@ class Settings:
     device: str = option("cpu", "cpu or cuda")
     served_model_name: str | None = option(None, "the model id clients send; none: the target's name")
     max_queue: int = option(16, "requests waiting while the batch is full; more get 429")
-    max_batch_size: int = option(8, "requests decoded at once (continuous batching); 1: one at a time")
+    max_batch_size: int = option(16, "requests decoded at once (continuous batching); 1: one at a time")
     max_batched_tokens: int = option(128, "tree tokens one verify step may hold, all rows together (trees are "
                                           "cut to fit)")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (capped by the context window)")
