@@ -329,6 +329,24 @@ def test_greedy_equals_plain_with_packed_verify(arch):
         assert torch.equal(model.generate(ids, max_new_tokens=30, do_sample=False), ref)
 
 
+def test_a_cached_probe_is_measured_again_when_the_machine_now_runs_at_another_speed(monkeypatch, tmp_path):
+    """A probe cached while other work loaded the CPU (or before that load went) prices every tree wrong: when a
+    one-token forward now differs from its cached time by more than STALE_RATIO either way, the fit probes again."""
+    from medusa_lite.fit import store
+
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    cached = {"latency": {1024: {1: 0.9}, 128: {1: 0.05, 4: 0.07}}}  # the shortest cache length is compared
+    for now, is_stale in ((0.05, False), (0.07, False), (0.1, True), (0.02, True)):
+        monkeypatch.setattr(store, "one_token_seconds", lambda model, cache_len, now=now: now)
+        assert store.stale(None, cached) is is_stale
+    assert not store.stale(None, {"latency": {128: {1: 0.001}}})  # too short to time reliably: kept
+    model = _hydra_model()
+    model.fit_hardware(progress=False)  # probed and cached
+    monkeypatch.setattr(store, "STALE_MIN_SECONDS", 0.0)
+    monkeypatch.setattr(store, "one_token_seconds", lambda model, cache_len: 1e3)  # the machine is now far slower
+    assert not _hydra_model().fit_hardware(progress=False).cache_hit
+
+
 def test_heads_directory_carries_the_acceptance_table(tmp_path):
     model = _hydra_model()
     model.save_pretrained(tmp_path / "heads")

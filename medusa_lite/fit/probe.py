@@ -191,6 +191,23 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
             "packed_from": packed_from, "phases": phases}
 
 
+@torch.no_grad()
+def one_token_seconds(model, cache_len: int = PROBE_CACHE_LENGTHS[0], repeats: int = 3) -> float:
+    """A one-token verify forward at ``cache_len`` now, the fastest of ``repeats`` (after a warm-up): what a cached
+    probe's ``latency[cache_len][1]`` said, measured again in well under a second."""
+    target = model.base_model
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    device = output_weight(target).device
+    prompt = torch.randint(0, vocab, (16,), generator=gen).to(device)
+    cache = new_cache(target)
+    target(input_ids=prompt[None], use_cache=True, **{cache_kwarg(target): cache})
+    extend_cache(cache, cache_len - prompt.numel(), gen)
+    ids = torch.randint(0, vocab, (1,), generator=gen).to(device)
+    buffers, layout = build_buffers(chain(0), device), attention_layout(target)
+    return min(verify_seconds(target, cache, ids, buffers, cache_len, layout=layout) for _ in range(repeats + 1))
+
+
 def _greedy_config():
     from transformers import GenerationConfig
     return GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=None)

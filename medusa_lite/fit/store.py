@@ -20,7 +20,7 @@ from ..kernels import PackedLinears, VerifyKernels, packing_available
 from ..machine import machine_fingerprint
 from ..paths import cache_dir
 from ..tree import tree_key
-from .probe import DEFAULT_BUDGET_S, probe
+from .probe import DEFAULT_BUDGET_S, one_token_seconds, probe
 
 FIT_FORMAT = "medusa_lite.fit/5"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
 # 5: the packed path packs for 4, 8, 16 and 32 rows (was 8 alone), so its latency table changed
@@ -109,6 +109,21 @@ def write_cached(key: str, fingerprint: dict, measured: dict) -> Path | None:
     return path
 
 
+STALE_RATIO = 1.6  # a cached probe whose one-token forward is now this much slower or faster is measured again
+STALE_MIN_SECONDS = 0.005  # below this a one-token forward is timer and dispatch jitter: not checked
+
+
+def stale(model, measured: dict) -> bool:
+    """Whether this machine's one-token forward now differs from the cached probe's by more than
+    :data:`STALE_RATIO` either way (a probe taken while other work loaded the CPU, or the load gone since): its
+    prices would be off for every tree, so it is measured again. Costs a prefill and four one-token forwards."""
+    cache_len, table = min(measured["latency"].items())
+    if table.get(1, 0.0) < STALE_MIN_SECONDS:
+        return False
+    now, then = one_token_seconds(model, cache_len), table[1]
+    return not 1 / STALE_RATIO <= now / then <= STALE_RATIO
+
+
 def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
                   budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None):
     """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
@@ -122,7 +137,8 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
-        hit = measured is not None
+        hit = measured is not None and not stale(model, measured)
+        measured = measured if hit else None
     if measured is None:
         packed = PackedLinears(model.base_model) if packing_available(model.base_model) else None
         measured = probe(model, candidates, budget_s=budget_s, progress=progress,
