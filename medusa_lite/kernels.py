@@ -63,11 +63,11 @@ def packed_rows(target, counts: tuple[int, ...] = PACKED_ROWS, available: int | 
 
 
 def packing_available(target) -> bool:
-    """fp32 weights on a CPU with PyTorch's MKL packed-GEMM ops, and memory for at least one packed copy."""
+    """fp32 weights on a CPU with PyTorch's MKL packed-GEMM ops (how many row counts memory allows:
+    :func:`packed_rows`)."""
     weight = target.get_output_embeddings().weight
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-            and bool(packed_rows(target)))
+            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
 
 
 def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:

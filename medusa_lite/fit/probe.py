@@ -103,15 +103,21 @@ class _Latency:
         return self.table, packed_from
 
 
+def filled_cache(target, prompt: torch.Tensor, cache_len: int, gen: torch.Generator):
+    """(the prompt's forward output, a cache of ``cache_len`` tokens: the prompt's, then random filler)."""
+    cache = new_cache(target)
+    out = target(input_ids=prompt[None], use_cache=True, return_dict=True, output_hidden_states=True,
+                 **{cache_kwarg(target): cache})
+    extend_cache(cache, cache_len - prompt.numel(), gen)
+    return out, cache
+
+
 def _measure_latency(model, prompt, sizes, lat: _Latency, bar, deadline: float, max_tokens_per_step):
     """Fill ``lat`` for every cache length of :data:`PROBE_CACHE_LENGTHS` until ``deadline``; returns the prompt's
     forward output (its features seed the drafting measurement)."""
     target = model.base_model
-    kw = cache_kwarg(target)
     for i, cache_len in enumerate(PROBE_CACHE_LENGTHS):
-        cache = new_cache(target)
-        out = target(input_ids=prompt[None], use_cache=True, return_dict=True, output_hidden_states=True, **{kw: cache})
-        extend_cache(cache, cache_len - prompt.numel(), lat.gen)
+        out, cache = filled_cache(target, prompt, cache_len, lat.gen)
         # the first cache length at every size; longer ones at a few (attention's growth is smooth in tokens)
         first = lat.table.get(PROBE_CACHE_LENGTHS[0], {})
         todo = sizes if i == 0 else [n for n in first if n in (1, 4, 16) or n == max(first)]
@@ -199,10 +205,7 @@ def one_token_seconds(model, cache_len: int = PROBE_CACHE_LENGTHS[0], repeats: i
     gen = torch.Generator().manual_seed(0)
     vocab = target.get_output_embeddings().weight.shape[0]
     device = output_weight(target).device
-    prompt = torch.randint(0, vocab, (16,), generator=gen).to(device)
-    cache = new_cache(target)
-    target(input_ids=prompt[None], use_cache=True, **{cache_kwarg(target): cache})
-    extend_cache(cache, cache_len - prompt.numel(), gen)
+    _, cache = filled_cache(target, torch.randint(0, vocab, (16,), generator=gen).to(device), cache_len, gen)
     ids = torch.randint(0, vocab, (1,), generator=gen).to(device)
     buffers, layout = build_buffers(chain(0), device), attention_layout(target)
     return min(verify_seconds(target, cache, ids, buffers, cache_len, layout=layout) for _ in range(repeats + 1))

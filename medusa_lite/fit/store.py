@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .._hf import output_weight
 from .._version import __version__
-from ..kernels import PackedLinears, VerifyKernels, packing_available
+from ..kernels import PackedLinears, VerifyKernels, packed_rows, packing_available
 from ..machine import machine_fingerprint
 from ..paths import cache_dir
 from ..tree import tree_key
@@ -134,17 +134,18 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
                   json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None)
+    counts = packed_rows(model.base_model) if packing_available(model.base_model) else ()  # memory read once
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
         hit = measured is not None and not stale(model, measured)
         measured = measured if hit else None
     if measured is None:
-        packed = PackedLinears(model.base_model) if packing_available(model.base_model) else None
+        packed = PackedLinears(model.base_model, counts) if counts else None
         measured = probe(model, candidates, budget_s=budget_s, progress=progress,
                          max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler)
         write_cached(key, fingerprint, measured)
         measured = check_measured(json.loads(json.dumps(measured)))
-    if not measured["packed_from"]:
+    if not measured["packed_from"] or not counts:
         return fingerprint, measured, hit, None
-    return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], packed=packed)
+    return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], counts, packed=packed)
