@@ -224,7 +224,11 @@ class MedusaModel(nn.Module):
     def prepare_config(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
         """transformers' generation config for these arguments (the target's defaults under them), checked:
         ``ValueError`` for anything medusa_lite cannot honour exactly."""
+        # OpenAI's penalties (not transformers' fields): extra attributes of the config, as GenerationConfig keeps them
+        extra = {name: kwargs.pop(name) for name in ("presence_penalty", "frequency_penalty") if name in kwargs}
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
+        for name, value in extra.items():
+            setattr(config, name, value)
         unused.pop("use_cache", None)
         if unused:
             raise ValueError(f"medusa_lite.generate got unsupported arguments {sorted(unused)}")
@@ -288,7 +292,9 @@ class MedusaModel(nn.Module):
         Exact: greedy output equals ``base_model.generate`` (up to floating-point ties) and sampled
         output has the target's distribution. Stats of the call are in ``self.last_stats`` (the first row's) and
         ``self.last_batch_stats`` (every row's).
-        Supported: greedy or sampling with temperature / top_k / top_p / min_p,
+        Supported: greedy or sampling with temperature / top_k / top_p / min_p, ``repetition_penalty`` (transformers'),
+        ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the new tokens), each applied at every tree node
+        from that node's own prefix,
         ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
         ``stopping_criteria``, streamers (batch size 1, as transformers' streamers). Anything else raises ``ValueError``.
         ``num_return_sequences`` (sampling): that many samples per prompt, in one batch sharing its prefill.

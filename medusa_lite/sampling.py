@@ -2,11 +2,15 @@
 
 We build transformers' own warpers (temperature, top-k, top-p, min-p) in the order transformers'
 ``generate`` applies them, so the distribution the tree is verified against is the distribution plain
-sampling draws from. Processors that depend on the generated prefix (repetition penalty, no-repeat
-n-grams, ...) are refused: they would need per-node prefixes.
+sampling draws from. The penalties that depend on the prefix (transformers' / vLLM's repetition penalty, OpenAI's
+presence and frequency penalties: :class:`Penalties`) are applied at every tree node from that node's own prefix
+(:func:`penalized_logits`), exactly as plain decoding applies them at the step that reaches the node; other
+prefix-dependent processors (no-repeat n-grams, ...) are refused.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
@@ -20,7 +24,7 @@ from transformers.generation.logits_process import (
 
 # GenerationConfig fields whose non-default value changes the distribution and that we do not support.
 _UNSUPPORTED = {
-    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "repetition_penalty": 1.0,
+    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
     "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "min_length": 0,
     "min_new_tokens": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0, "sequence_bias": None, "suppress_tokens": None,
@@ -37,7 +41,68 @@ def check_supported(config: GenerationConfig) -> None:
         if value is not None and value != default:
             raise ValueError(
                 f"medusa_lite.generate does not support {name}={value!r}; supported: greedy or sampling "
-                "with temperature, top_k, top_p, min_p")
+                "with temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty")
+    Penalties.from_config(config)  # ValueError for a penalty out of range
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Penalties on tokens the prefix already holds, applied to the raw logits before the warpers (transformers'
+    and vLLM's order). ``repetition``: transformers' ``repetition_penalty`` over prompt and output tokens (a positive
+    logit divided by it, a negative one multiplied). ``presence`` / ``frequency``: OpenAI's, over output tokens only
+    (minus ``presence`` for a token present, minus ``frequency`` times its count), as vLLM applies them."""
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.repetition > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition!r}")
+        for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (OpenAI's range), got {value!r}")
+
+    @classmethod
+    def from_config(cls, config: GenerationConfig) -> "Penalties":
+        """The penalties a generation config asks for (``presence_penalty`` / ``frequency_penalty``: extra attributes)."""
+        def value(name: str, default: float) -> float:
+            v = getattr(config, name, None)
+            return default if v is None else float(v)
+        return cls(value("repetition_penalty", 1.0), value("presence_penalty", 0.0), value("frequency_penalty", 0.0))
+
+    @property
+    def active(self) -> bool:
+        return self != Penalties()
+
+
+def penalized_logits(logits: torch.Tensor, penalties: Penalties, prompt_seen: torch.Tensor, output_counts: torch.Tensor,
+                     tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """Each tree node's logits after the penalties of that node's own prefix.
+
+    logits: [N, V] raw target logits at the nodes; prompt_seen: [V] bool, tokens of the prompt;
+    output_counts: [V] float32, each token's count in the output so far, the root included (it is emitted already);
+    tokens: [N] node tokens; ancestors: [N, N] bool, node i's path (j is i or an ancestor of i), root included.
+    Node i's prefix is the prompt, the output and the tokens of its path below the root. -> [N, V] float32.
+    """
+    # only the columns of tokens the prefixes hold change: work on those ([N, C], C << V)
+    cols = torch.unique(torch.cat([(prompt_seen | (output_counts > 0)).nonzero().flatten(), tokens]))  # [C] sorted
+    path = ancestors.float().clone()  # [N, N]
+    path[:, 0] = 0.0  # the root is counted in the output already
+    counts = output_counts[cols][None].repeat(logits.shape[0], 1)  # [N, C]
+    counts.index_add_(1, torch.searchsorted(cols, tokens), path)  # + each node's path tokens
+    scores = logits.float().clone()  # [N, V]
+    sub = scores[:, cols]  # [N, C]
+    if penalties.repetition != 1.0:
+        seen = prompt_seen[cols][None] | (counts > 0)  # [N, C]
+        scaled = torch.where(sub < 0, sub * penalties.repetition, sub / penalties.repetition)
+        sub = torch.where(seen, scaled, sub)
+    if penalties.frequency:
+        sub = sub - penalties.frequency * counts
+    if penalties.presence:
+        sub = sub - penalties.presence * (counts > 0).float()
+    scores[:, cols] = sub
+    return scores
 
 
 def build_warpers(config: GenerationConfig) -> LogitsProcessorList:

@@ -59,9 +59,10 @@ class Common(_Strict):
     n: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted at their neutral values only (see _check_unsupported)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's)
+    # accepted at its neutral value only (see _check_unsupported)
     logit_bias: dict | None = None
     logprobs: bool | int | None = None
 
@@ -85,7 +86,7 @@ MAX_N = 16  # completions per request (each a row of the batch)
 
 def _check_unsupported(req: Common) -> None:
     """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name in ("best_of", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "suffix", "tools"):
+    for name in ("best_of", "logit_bias", "echo", "suffix", "tools"):
         value = getattr(req, name, None)
         neutral = value is None or (value == 1 if name == "best_of" else not value)
         if not neutral:
@@ -175,12 +176,15 @@ def requested_logprobs(req: Common) -> int | None:
 
 
 def sampling_kwargs(req: Common, device: torch.device, index: int = 0) -> dict[str, Any]:
-    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's).
+    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's). Penalties
+    (``presence_penalty``, ``frequency_penalty``, vLLM's ``repetition_penalty``) in either mode.
     ``index``: which of the request's ``n`` completions (with a ``seed``, completion i draws from seed + i)."""
+    penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+                 if (value := getattr(req, name)) is not None}
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature == 0:
-        return {"do_sample": False}
-    kwargs: dict[str, Any] = {"do_sample": True, "temperature": temperature,
+        return {"do_sample": False, **penalties}
+    kwargs: dict[str, Any] = {"do_sample": True, "temperature": temperature, **penalties,
                               "top_p": 1.0 if req.top_p is None else req.top_p,
                               "top_k": 0 if req.top_k in (None, -1) else req.top_k}
     if req.seed is not None:

@@ -81,7 +81,7 @@ def test_seeded_sampling_is_reproducible(model, prompt):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"num_beams": 2}, "num_beams"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
     ({"num_return_sequences": 2, "do_sample": False}, "num_return_sequences"),  # sampling is fine (test_batch.py)
     ({"output_scores_typo": True}, "unsupported arguments"),
     ({"max_new_tokens": 0}, "max_new_tokens"),

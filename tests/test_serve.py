@@ -65,13 +65,13 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def reference(tiny, ids: list[int], max_new: int) -> tuple[str, list[int], "object"]:
-    """MedusaModel.generate greedy in this process: (text, new ids, stats)."""
+def reference(tiny, ids: list[int], max_new: int, **kwargs) -> tuple[str, list[int], "object"]:
+    """MedusaModel.generate greedy in this process (``kwargs``: more generate options): (text, new ids, stats)."""
     _, _, model, tok = tiny
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the server (--threads 1): same float reduction order, same argmax
     try:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False, **kwargs)
     finally:
         torch.set_num_threads(threads)
     new = out[0, len(ids):].tolist()
@@ -204,6 +204,19 @@ def test_logprobs_are_the_targets_own(tiny, client):
     assert "".join(plain.choices[0].logprobs.tokens).strip() == plain.choices[0].text.strip()
 
 
+def test_penalties_are_generates(tiny, client):
+    """presence / frequency (OpenAI's) and repetition (vLLM's) penalties: the greedy answer is generate's with the same
+    penalties (each tree node penalized from its own prefix) and differs from the unpenalized one."""
+    _, _, _, tok = tiny
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    ids = tok(LONG_PROMPT)["input_ids"]
+    want, _, _ = reference(tiny, ids, 40, **penalties)
+    assert want != reference(tiny, ids, 40)[0]
+    out = client.completions.create(model="target", prompt=LONG_PROMPT, max_tokens=40, temperature=0,
+                                    presence_penalty=1.5, frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3})
+    assert out.choices[0].text == want
+
+
 def test_raw_sse_format(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -320,8 +333,10 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1},
      400, "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5},
      400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}, 413, None),
 ]
 

@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from ..drafters import Draft
-from ..sampling import TargetRows, build_warpers, target_probs
+from ..sampling import Penalties, TargetRows, build_warpers, penalized_logits, target_probs
 from ..tree import TreeBuffers
 from ..verify import accept, greedy_choice, sample_choice, sample_walk
 from .plans import Plan
@@ -130,6 +130,8 @@ class Sequence:
     def __post_init__(self) -> None:
         self.started = time.perf_counter()
         self.warpers = build_warpers(self.config)
+        self.penalties = Penalties.from_config(self.config)
+        self._prompt_seen: torch.Tensor | None = None  # [V] bool, once the vocabulary is known (penalties only)
         self.stopper = Stopper(self.prompt, self.config, self.max_new_tokens, self.stopping_criteria)
         self.cache_len = 0  # this row's tokens in the target's cache (its next position)
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per kept token (``logprobs`` set)
@@ -143,7 +145,8 @@ class Sequence:
         return torch.tensor(self.stopper.ids, dtype=torch.long, device=self.prompt.device)
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The target's token at every row of logits [N, V]: argmax, or one draw from the processed distribution."""
+        """The target's token at the root from logits [1, V]: argmax, or one draw from the processed distribution."""
+        logits = self.penalized(logits, self.prompt.new_zeros(1), torch.ones(1, 1, dtype=torch.bool))
         if not self.config.do_sample:
             return greedy_choice(logits)
         return sample_choice(target_probs(logits, self.warpers), self.generator)
@@ -151,9 +154,24 @@ class Sequence:
     def accept(self, draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [N, V] at the draft's nodes -> (accepted nodes [a+1] long, root first; bonus token [] long)."""
         tokens, buffers, proposals = draft
+        logits = self.penalized(logits, tokens, buffers.ancestor_mask)
         if not self.config.do_sample:
             return accept(tokens, greedy_choice(logits), buffers.paths)
         return sample_walk(tokens, buffers.parents, TargetRows(logits, self.warpers), proposals, self.generator)
+
+    def penalized(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] at the nodes of a tree (``tokens`` [N], ``ancestors`` [N, N]) after each node's own prefix's
+        penalties (:func:`~medusa_lite.sampling.penalized_logits`); unchanged without penalties."""
+        if not self.penalties.active:
+            return logits
+        vocab, device = logits.shape[-1], logits.device
+        if self._prompt_seen is None:
+            prompt = self.prompt[self.prompt < vocab]  # ids beyond the output vocabulary cannot be penalized
+            self._prompt_seen = torch.bincount(prompt, minlength=vocab).to(device) > 0
+        output = torch.tensor(self.stopper.generated, dtype=torch.long, device=device)
+        counts = torch.bincount(output[output < vocab], minlength=vocab).float()
+        return penalized_logits(logits, self.penalties, self._prompt_seen, counts, tokens.to(device),
+                                ancestors.to(device))
 
     def extend(self, tokens: list[int], logits: torch.Tensor) -> None:
         """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only.
