@@ -9,10 +9,11 @@ are packed for a few counts (:data:`PACKED_ROWS`) and an input of m rows is zero
 >= m (the padding rows' outputs are dropped): on an AVX2 CPU a 2-token verify forward costs ~1.25x one token
 through the 4-row pack, ~1.4x through an 8-row one and ~1.9x through the stock GEMM.
 
-:class:`PackedLinears` is a ``TorchFunctionMode``: while it is active (verify forwards only, and only for
-the tree sizes where the probe measured it faster), ``F.linear`` on one of the target's fp32 CPU linear
-weights takes the packed path; everything else, and the whole model outside the mode, is untouched.
-No modeling code is forked. Each packed copy costs as much memory as the linear weights, so only as many row
+:class:`PackedLinears` is a context manager: while it is active (verify forwards only, and only for the tree
+sizes where the probe measured it faster), each of the target's fp32 ``nn.Linear`` modules takes the packed path (its
+``forward`` is shadowed by an instance attribute, restored on exit); everything else, and the whole model outside
+the context, is untouched. No modeling code is forked. (A ``TorchFunctionMode`` did the same by intercepting every
+torch call of the forward, ~2,600 per forward of the default model: ~10 ms of Python per verify step.) Each packed copy costs as much memory as the linear weights, so only as many row
 counts are packed as fit in a quarter of the memory available (:func:`packed_rows`). Results differ
 from ``F.linear`` only in summation order (as any two GEMM kernels do), so greedy output stays the
 target's own up to floating-point ties, like every tree forward.
@@ -22,11 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 PACKED_ROWS = (4, 8, 16, 32)  # row counts packed for (batch-1 trees; batched verify steps of several rows)
 MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
@@ -78,49 +78,58 @@ def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:
     return tuple(sorted(set(counts)))
 
 
-class PackedLinears(TorchFunctionMode):
-    """``with PackedLinears(target):`` routes the target's fp32 ``F.linear`` calls with 2..``rows`` input rows
+class PackedLinears:
+    """``with PackedLinears(target):`` routes the target's fp32 ``nn.Linear`` calls with 2..``rows`` input rows
     through MKL's packed GEMM (weights packed once per row count of ``counts``, at construction; ``counts=None``:
-    :func:`packed_rows`)."""
+    :func:`packed_rows`). Re-entrant; the modules' own ``forward`` is back on exit."""
 
     def __init__(self, target, counts: tuple[int, ...] | int | None = None):
-        super().__init__()
         if not packing_available(target):
             raise ValueError("packed linears need fp32 weights on a CPU with MKL")
         self.counts = row_counts(target, counts)
         self.rows = self.counts[-1]
-        # data_ptr -> (weight, version, {row count: packed copy})
-        self._packed: dict[int, tuple[torch.Tensor, int, dict[int, torch.Tensor]]] = {}
+        self._depth = 0
+        # module -> (its weight, detached; the weight's version when packed; {row count: packed copy})
+        self._packed: dict[nn.Linear, tuple[torch.Tensor, int, dict[int, torch.Tensor]]] = {}
         with torch.no_grad():
             for module in target.modules():
                 if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
                     w = module.weight.detach()
-                    self._packed[w.data_ptr()] = (w, w._version, {
+                    self._packed[module] = (w, w._version, {
                         n: torch.ops.mkl._mkl_reorder_linear_weight(w, n) for n in self.counts})
+        self._saved: dict[nn.Linear, object] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            out = self._linear(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+    def __enter__(self) -> "PackedLinears":
+        if self._depth == 0:
+            for module in self._packed:
+                self._saved[module] = module.__dict__.get("forward")  # an instance forward (e.g. a hook's), or None
+                module.forward = partial(self._forward, module, module.forward)
+        self._depth += 1
+        return self
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        """[..., K] x packed [N, K] -> [..., N]; None where the packed path does not apply."""
-        entry = self._packed.get(weight.data_ptr())
-        if (entry is None or entry[0].shape != weight.shape or entry[1] != weight._version
-                or x.dtype != torch.float32):  # not ours, or changed in place since it was packed: the stock path
-            return None
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        m = x2.shape[0]
-        if not 1 < m <= self.rows:
-            return None
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            for module, forward in self._saved.items():
+                if forward is None:
+                    del module.forward
+                else:
+                    module.forward = forward
+            self._saved.clear()
+
+    def _forward(self, module: nn.Linear, stock, x: torch.Tensor) -> torch.Tensor:
+        """[..., K] -> [..., N]: the packed GEMM where it applies, else the module's own forward."""
+        w, version, packs = self._packed[module]
+        m = x.numel() // x.shape[-1]
+        if (not 1 < m <= self.rows or w._version != version or module.weight.data_ptr() != w.data_ptr()
+                or x.dtype != torch.float32):
+            return stock(x)  # one row, too many, or a weight changed (in place or replaced) since it was packed
         rows = next(n for n in self.counts if n >= m)
+        x2 = x.reshape(m, x.shape[-1])  # [M, K]
         if m < rows:
             x2 = torch.cat([x2, x2.new_zeros(rows - m, x2.shape[1])])  # [rows, K]
-        y = torch.ops.mkl._mkl_linear(x2, entry[2][rows], entry[0], bias, rows)[:m]  # [M, N]
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        y = torch.ops.mkl._mkl_linear(x2, packs[rows], w, module.bias, rows)[:m]  # [M, N]
+        return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
 
 class VerifyKernels:
