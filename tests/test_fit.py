@@ -4,6 +4,7 @@ probe's cache, and exactness of the adaptive path (greedy equality while the gua
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 
 import pytest
@@ -345,6 +346,24 @@ def test_a_cached_probe_is_measured_again_when_the_machine_now_runs_at_another_s
     monkeypatch.setattr(store, "STALE_MIN_SECONDS", 0.0)
     monkeypatch.setattr(store, "one_token_seconds", lambda model, cache_len: 1e3)  # the machine is now far slower
     assert not _hydra_model().fit_hardware(progress=False).cache_hit
+
+
+def test_a_burst_of_load_during_the_first_one_token_timing_does_not_price_every_tree(monkeypatch):
+    """Every tree is priced against the one-token forward, so it is timed again at the end of its cache length and
+    the faster kept: a burst of other work during its first timing no longer makes every tree look nearly free."""
+    calls = []
+
+    def timed(target, cache, ids, buffers, cache_len, kernel=None, layout=None):
+        calls.append(ids.numel())
+        first_ones = sum(1 for n in calls if n == 1)
+        burst = ids.numel() == 1 and first_ones <= 3  # the first timing's repeats, all slowed 3x
+        return (0.03 if burst else 0.01) + 0.002 * ids.numel()
+
+    probe_module = importlib.import_module("medusa_lite.fit.probe")
+    monkeypatch.setattr(probe_module, "verify_seconds", timed)
+    measured = probe_module.probe(_hydra_model(), [t.tree for t in _candidates() if t.tree != []], progress=False)
+    for table in measured["latency"].values():
+        assert table[1] == pytest.approx(0.012)
 
 
 def test_heads_directory_carries_the_acceptance_table(tmp_path):
