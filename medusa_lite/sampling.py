@@ -4,8 +4,9 @@ We build transformers' own warpers (temperature, top-k, top-p, min-p) in the ord
 ``generate`` applies them, so the distribution the tree is verified against is the distribution plain
 sampling draws from. The penalties that depend on the prefix (transformers' / vLLM's repetition penalty, OpenAI's
 presence and frequency penalties: :class:`Penalties`) are applied at every tree node from that node's own prefix
-(:func:`penalized_logits`), exactly as plain decoding applies them at the step that reaches the node; other
-prefix-dependent processors (no-repeat n-grams, ...) are refused.
+(:func:`penalized_logits`), exactly as plain decoding applies them at the step that reaches the node. A bias on
+single tokens (transformers' ``sequence_bias`` of one-token sequences, OpenAI's ``logit_bias``) is added first, as
+both apply it; other prefix-dependent processors (no-repeat n-grams, biases on longer sequences, ...) are refused.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _UNSUPPORTED = {
     "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
     "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "min_length": 0,
     "min_new_tokens": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "encoder_repetition_penalty": 1.0, "sequence_bias": None, "suppress_tokens": None,
+    "encoder_repetition_penalty": 1.0, "suppress_tokens": None,
     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
     "guidance_scale": None, "watermarking_config": None,
     "top_h": None, "assistant_model": None, "prompt_lookup_num_tokens": None,
@@ -41,7 +42,8 @@ def check_supported(config: GenerationConfig) -> None:
         if value is not None and value != default:
             raise ValueError(
                 f"medusa_lite.generate does not support {name}={value!r}; supported: greedy or sampling "
-                "with temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty")
+                "with temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, "
+                "sequence_bias (single tokens)")
     Penalties.from_config(config)  # ValueError for a penalty out of range
 
 
@@ -50,11 +52,14 @@ class Penalties:
     """Penalties on tokens the prefix already holds, applied to the raw logits before the warpers (transformers'
     and vLLM's order). ``repetition``: transformers' ``repetition_penalty`` over prompt and output tokens (a positive
     logit divided by it, a negative one multiplied). ``presence`` / ``frequency``: OpenAI's, over output tokens only
-    (minus ``presence`` for a token present, minus ``frequency`` times its count), as vLLM applies them."""
+    (minus ``presence`` for a token present, minus ``frequency`` times its count), as vLLM applies them.
+    ``bias``: (token id, value) pairs added to the logits before the penalties (transformers' ``sequence_bias`` of
+    one-token sequences, OpenAI's ``logit_bias``; both add it first)."""
 
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.repetition > 0:
@@ -69,29 +74,57 @@ class Penalties:
         def value(name: str, default: float) -> float:
             v = getattr(config, name, None)
             return default if v is None else float(v)
-        return cls(value("repetition_penalty", 1.0), value("presence_penalty", 0.0), value("frequency_penalty", 0.0))
+        return cls(value("repetition_penalty", 1.0), value("presence_penalty", 0.0), value("frequency_penalty", 0.0),
+                   token_bias(getattr(config, "sequence_bias", None)))
 
     @property
     def active(self) -> bool:
         return self != Penalties()
 
+    @property
+    def prefix_dependent(self) -> bool:
+        """Whether any penalty depends on the prefix (the bias does not)."""
+        return (self.repetition, self.presence, self.frequency) != (1.0, 0.0, 0.0)
+
+
+def token_bias(sequence_bias) -> tuple[tuple[int, float], ...]:
+    """transformers' ``sequence_bias`` ({(ids...): bias} or [[ids, bias], ...]) as sorted (token id, bias) pairs;
+    ``ValueError`` for a sequence longer than one token (its bias would depend on the tokens before it)."""
+    if sequence_bias is None:
+        return ()
+    items = sequence_bias.items() if isinstance(sequence_bias, dict) else sequence_bias
+    bias: dict[int, float] = {}
+    for ids, value in items:
+        ids = (ids,) if isinstance(ids, int) else tuple(ids)
+        if len(ids) != 1 or not isinstance(ids[0], int) or ids[0] < 0:
+            raise ValueError(f"sequence_bias: only single tokens (one non-negative id) are supported, got {ids!r}")
+        bias[ids[0]] = float(value)
+    return tuple(sorted(bias.items()))
+
 
 def penalized_logits(logits: torch.Tensor, penalties: Penalties, prompt_seen: torch.Tensor, output_counts: torch.Tensor,
                      tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """Each tree node's logits after the penalties of that node's own prefix.
+    """Each tree node's logits after the token bias and the penalties of that node's own prefix.
 
     logits: [N, V] raw target logits at the nodes; prompt_seen: [V] bool, tokens of the prompt;
     output_counts: [V] float32, each token's count in the output so far, the root included (it is emitted already);
     tokens: [N] node tokens; ancestors: [N, N] bool, node i's path (j is i or an ancestor of i), root included.
     Node i's prefix is the prompt, the output and the tokens of its path below the root. -> [N, V] float32.
     """
+    scores = logits.float().clone()  # [N, V]
+    if penalties.bias:
+        ids = torch.tensor([i for i, _ in penalties.bias], device=logits.device)  # [K]
+        if int(ids[-1]) >= scores.shape[-1]:
+            raise ValueError(f"sequence_bias: token {int(ids[-1])} is outside the vocabulary ({scores.shape[-1]})")
+        scores[:, ids] += torch.tensor([v for _, v in penalties.bias], device=logits.device)  # [N, K]
+    if not penalties.prefix_dependent:
+        return scores
     # only the columns of tokens the prefixes hold change: work on those ([N, C], C << V)
     cols = torch.unique(torch.cat([(prompt_seen | (output_counts > 0)).nonzero().flatten(), tokens]))  # [C] sorted
     path = ancestors.float().clone()  # [N, N]
     path[:, 0] = 0.0  # the root is counted in the output already
     counts = output_counts[cols][None].repeat(logits.shape[0], 1)  # [N, C]
     counts.index_add_(1, torch.searchsorted(cols, tokens), path)  # + each node's path tokens
-    scores = logits.float().clone()  # [N, V]
     sub = scores[:, cols]  # [N, C]
     if penalties.repetition != 1.0:
         seen = prompt_seen[cols][None] | (counts > 0)  # [N, C]

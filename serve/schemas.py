@@ -62,8 +62,7 @@ class Common(_Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's)
-    # accepted at its neutral value only (see _check_unsupported)
-    logit_bias: dict | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> -100..100
     logprobs: bool | int | None = None
 
 
@@ -86,13 +85,14 @@ MAX_N = 16  # completions per request (each a row of the batch)
 
 def _check_unsupported(req: Common) -> None:
     """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name in ("best_of", "logit_bias", "echo", "suffix", "tools"):
+    for name in ("best_of", "echo", "suffix", "tools"):
         value = getattr(req, name, None)
         neutral = value is None or (value == 1 if name == "best_of" else not value)
         if not neutral:
             raise APIError(400, f"{name}={value!r} is not supported (medusa_lite serves greedy or sampled "
                                 "completions, exactly the target's)", param=name, code="unsupported_parameter")
     requested_logprobs(req)  # 400 for a bad logprobs / top_logprobs
+    token_bias(req)  # 400 for a bad logit_bias
     if (req.n or 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per request", param="n", code="invalid_value")
     if req.stream_options is not None and not req.stream:
@@ -175,12 +175,28 @@ def requested_logprobs(req: Common) -> int | None:
     return top or 0
 
 
+def token_bias(req: Common) -> dict[tuple[int], float] | None:
+    """OpenAI's ``logit_bias`` ({"token id": -100..100}) as transformers' ``sequence_bias`` of one-token sequences
+    (added to the target's logits before the penalties and the warpers, at every tree node); 400 if malformed."""
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        if not key.isdigit() or not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias: token ids (as strings) mapped to -100..100, got {key!r}: {value!r}",
+                           param="logit_bias", code="invalid_value")
+        bias[(int(key),)] = float(value)
+    return bias
+
+
 def sampling_kwargs(req: Common, device: torch.device, index: int = 0) -> dict[str, Any]:
     """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's). Penalties
-    (``presence_penalty``, ``frequency_penalty``, vLLM's ``repetition_penalty``) in either mode.
+    (``presence_penalty``, ``frequency_penalty``, vLLM's ``repetition_penalty``) and ``logit_bias`` in either mode.
     ``index``: which of the request's ``n`` completions (with a ``seed``, completion i draws from seed + i)."""
     penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
                  if (value := getattr(req, name)) is not None}
+    if (bias := token_bias(req)) is not None:
+        penalties["sequence_bias"] = bias
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature == 0:
         return {"do_sample": False, **penalties}

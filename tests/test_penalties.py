@@ -14,7 +14,7 @@ from test_sampling import NEW, PROMPT, VOCAB, make_model, sample_counts, tv_boun
 
 import medusa_lite.decode.sequence as seq_mod
 from medusa_lite import MedusaConfig, MedusaModel
-from medusa_lite.sampling import Penalties, build_warpers, penalized_logits, target_probs
+from medusa_lite.sampling import Penalties, build_warpers, penalized_logits, target_probs, token_bias
 from medusa_lite.tree import build_buffers
 
 TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0], [0, 0, 0, 0]]
@@ -119,8 +119,55 @@ def test_penalties_out_of_range_are_refused(kwargs, message, prompt):
         model.generate(prompt, max_new_tokens=4, **kwargs)
 
 
+def test_token_bias_then_penalties_as_transformers_processors():
+    """Each node's logits = transformers' SequenceBias then RepetitionPenalty processors over that node's prefix (a
+    bias added after the penalty, or forgotten, fails)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+    vocab, gen = 11, torch.Generator().manual_seed(1)
+    buffers = build_buffers([[0], [1], [0, 0]])
+    tokens = torch.tensor([3, 4, 5, 6])
+    logits = torch.randn(len(tokens), vocab, generator=gen) * 3
+    prompt, output, bias = [1, 2, 4], [7, 3], {(4,): 2.5, (9,): -1.5, (2,): 4.0}
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[prompt] = True
+    counts = torch.bincount(torch.tensor(output), minlength=vocab).float()
+    got = penalized_logits(logits, Penalties(1.3, bias=token_bias(bias)), seen, counts, tokens, buffers.ancestor_mask)
+    for node in range(len(tokens)):
+        path = [int(tokens[j]) for j in range(1, len(tokens)) if buffers.ancestor_mask[node, j]]
+        ids = torch.tensor([prompt + output + path])
+        want = SequenceBiasLogitsProcessor(bias)(ids, logits[node][None].clone())
+        want = RepetitionPenaltyLogitsProcessor(1.3)(ids, want)[0]
+        torch.testing.assert_close(got[node], want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_token_bias_equals_transformers(arch, prompt):
+    target = tiny_model(arch)
+    plain = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    banned, favoured = int(plain[0, prompt.shape[1] + 2]), int(plain[0, prompt.shape[1] + 5])
+    bias = {(banned,): -100.0, (favoured,): 3.0}
+    ref = target.generate(prompt, max_new_tokens=30, do_sample=False, sequence_bias=bias, repetition_penalty=1.2)
+    assert not torch.equal(ref, plain) and banned not in ref[0, prompt.shape[1]:].tolist()
+    model = MedusaModel(target, MedusaConfig(num_heads=4, tree=TREE))
+    model.drafter.draft = oracle_draft(ref[0], 4, model._topk, 128)
+    out = model.generate(prompt, max_new_tokens=30, do_sample=False, sequence_bias=bias, repetition_penalty=1.2)
+    assert torch.equal(out, ref)
+    assert model.last_stats.mean_accepted_tokens > 2.5  # deep nodes were judged with the bias
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({(3, 4): 1.0}, "only single tokens"),
+    ({(10**6,): 1.0}, "outside the vocabulary"),
+])
+def test_unsupported_token_bias_is_refused(bias, message, prompt):
+    model = MedusaModel(tiny_model("llama"), MedusaConfig(num_heads=2, tree=[[0]]))
+    with pytest.raises(ValueError, match=message):
+        model.generate(prompt, max_new_tokens=4, sequence_bias=bias)
+
+
 # ---------------------------------------------------------------- sampling: Monte Carlo
-PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 1.0, "frequency_penalty": 0.8}
+PENALTIES = {"repetition_penalty": 1.5, "presence_penalty": 1.0, "frequency_penalty": 0.8,
+             "sequence_bias": {(1,): 1.2, (2,): -0.7}}  # the bias first, then the penalties
 
 
 def exact_penalized_distribution(model: MedusaModel, **gen) -> dict[tuple[int, ...], float]:
@@ -134,7 +181,10 @@ def exact_penalized_distribution(model: MedusaModel, **gen) -> dict[tuple[int, .
     prompt = PROMPT[0].tolist()
     dist = {}
     for s, seq in enumerate(seqs):
-        rows = torch.stack([penalize_by_hand(logits[s, i], prompt, list(seq[:i]), PENALTIES["repetition_penalty"],
+        biased = logits[s].clone()  # [3, V]
+        for (token,), value in PENALTIES["sequence_bias"].items():
+            biased[:, token] += value
+        rows = torch.stack([penalize_by_hand(biased[i], prompt, list(seq[:i]), PENALTIES["repetition_penalty"],
                                              PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"])
                             for i in range(NEW)])
         probs = target_probs(rows, warpers)  # [3, V]

@@ -217,6 +217,20 @@ def test_penalties_are_generates(tiny, client):
     assert out.choices[0].text == want
 
 
+def test_logit_bias_is_generates(tiny, client):
+    """logit_bias: the greedy answer is generate's with the same bias (transformers' sequence_bias of single tokens),
+    a token biased by -100 never appears, and the answer differs from the unbiased one."""
+    _, _, _, tok = tiny
+    ids = tok(LONG_PROMPT)["input_ids"]
+    _, plain, _ = reference(tiny, ids, 30)
+    banned, favoured = plain[3], plain[7]
+    want, new, _ = reference(tiny, ids, 30, sequence_bias={(banned,): -100.0, (favoured,): 4.0})
+    assert new != plain and banned not in new
+    out = client.completions.create(model="target", prompt=LONG_PROMPT, max_tokens=30, temperature=0,
+                                    logit_bias={str(banned): -100, str(favoured): 4})
+    assert out.choices[0].text == want
+
+
 def test_raw_sse_format(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -336,7 +350,9 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5},
      400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"hi": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}, 413, None),
 ]
 
