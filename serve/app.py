@@ -16,8 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job
 from .metrics import Metrics
-from .schemas import (APIError, ChatRequest, Common, CompletionRequest, parse_request, read_json, requested_logprobs,
-                      sampling_kwargs)
+from .schemas import (APIError, ChatRequest, Common, CompletionRequest, best_completions, candidates, parse_request,
+                      read_json, requested_logprobs, sampling_kwargs)
 
 log = logging.getLogger("medusa_lite.serve")
 
@@ -177,12 +177,17 @@ class Api:
                            type="not_found_error", param="model", code="model_not_found")
 
     def admit(self, req: Common, prompt_ids: list[int], requested: int | None, param: str) -> list[Job]:
-        """The request's ``n`` completions, each a job of the engine (a row of the batch) reporting to one queue."""
+        """The request's completions (:func:`candidates`: ``n``, or ``best_of`` to rank), each a job of the engine
+        (a row of the batch) reporting to one queue."""
         max_tokens = _budget(self.engine, len(prompt_ids), requested, self.settings.default_max_tokens, param)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        count = candidates(req)
+        logprobs = requested_logprobs(req)
+        if count > (req.n or 1) and logprobs is None:
+            logprobs = 0  # ranking needs each token's log-probability (not reported)
         jobs = [Job(prompt_ids, max_tokens, sampling_kwargs(req, self.engine.model.device, i), stop, loop,
-                    events=events, index=i, logprobs=requested_logprobs(req)) for i in range(req.n or 1)]
+                    events=events, index=i, logprobs=logprobs) for i in range(count)]
         try:
             for job in jobs:
                 self.engine.submit(job)
@@ -204,7 +209,9 @@ class Api:
             raise APIError(499, "client disconnected", code="cancelled")
         return [results[i] for i in range(len(jobs))]
 
-    async def stream(self, jobs: list[Job], request: Request, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, jobs: list[Job], request: Request, chat: bool, include_usage: bool,
+                     echo: str = "") -> AsyncIterator[str]:
+        """SSE chunks of the jobs' completions (``echo``: the prompt's text, each choice's first chunk)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
@@ -221,9 +228,11 @@ class Api:
                           "finish_reason": finish}
             return sse({**base, "choices": [choice], **extra, **fields})
 
-        if chat:
-            for job in jobs:
+        for job in jobs:
+            if chat:
                 yield chunk(job.index, None, None, role=True)
+            elif echo:
+                yield chunk(job.index, echo, None)
         done = []
         async for index, kind, payload in _events(jobs, self.engine, request):
             if kind == "delta":
@@ -241,22 +250,34 @@ class Api:
             yield sse({**base, "choices": [], "usage": _usage(done)})
         yield "data: [DONE]\n\n"
 
-    def respond(self, jobs: list[Job], req: Common, request: Request, chat: bool):
+    def respond(self, jobs: list[Job], req: Common, request: Request, chat: bool, echo: str = ""):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _JobStream(self.stream(jobs, request, chat, include_usage), jobs, self.engine)
+        return _JobStream(self.stream(jobs, request, chat, include_usage, echo), jobs, self.engine)
 
     async def completions(self, request: Request):
         req = parse_request(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
         self.check_model(req.model)
-        jobs = self.admit(req, self._prompt_ids(req.prompt), req.max_tokens, "prompt")
+        prompt_ids = self._prompt_ids(req.prompt)
+        jobs = self.admit(req, prompt_ids, req.max_tokens, "prompt")
+        echo = self._prompt_text(req.prompt, prompt_ids) if req.echo else ""
         if req.stream:
-            return self.respond(jobs, req, request, chat=False)
+            return self.respond(jobs, req, request, chat=False, echo=echo)
         outs = await self.collect(jobs, request)
+        usage = _usage(outs)  # every candidate's tokens, as OpenAI counts best_of
+        chosen = best_completions(outs, req.n or 1) if len(outs) > (req.n or 1) else outs
+        reported = requested_logprobs(req) is not None
         return {"id": "cmpl-" + jobs[0].id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": i, "text": out["text"], "logprobs": openai_logprobs(out["logprobs"], False),
-                             "finish_reason": out["finish_reason"]} for i, out in enumerate(outs)],
-                "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
+                "choices": [{"index": i, "text": echo + out["text"],
+                             "logprobs": openai_logprobs(out["logprobs"], False) if reported else None,
+                             "finish_reason": out["finish_reason"]} for i, out in enumerate(chosen)],
+                "usage": usage, "medusa_lite": chosen[0]["medusa_lite"]}
+
+    def _prompt_text(self, prompt, prompt_ids: list[int]) -> str:
+        """What ``echo`` returns before the completion: the prompt as sent (token ids: their text)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else self.engine.decode(prompt_ids)
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A completion request's prompt (a string, a list of one string, or token ids) as token ids."""

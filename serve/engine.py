@@ -162,6 +162,10 @@ class Engine:
         with self.tok_lock:
             return self.tok(text, add_special_tokens=special)["input_ids"]
 
+    def decode(self, ids: list[int]) -> str:
+        with self.tok_lock:
+            return self.tok.decode(ids)
+
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         if getattr(self.tok, "chat_template", None) is None:
             raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")

@@ -85,21 +85,54 @@ MAX_N = 16  # completions per request (each a row of the batch)
 
 def _check_unsupported(req: Common) -> None:
     """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name in ("best_of", "echo", "suffix", "tools"):
+    for name in ("suffix", "tools"):
         value = getattr(req, name, None)
-        neutral = value is None or (value == 1 if name == "best_of" else not value)
-        if not neutral:
+        if value:
             raise APIError(400, f"{name}={value!r} is not supported (medusa_lite serves greedy or sampled "
                                 "completions, exactly the target's)", param=name, code="unsupported_parameter")
     requested_logprobs(req)  # 400 for a bad logprobs / top_logprobs
     token_bias(req)  # 400 for a bad logit_bias
     if (req.n or 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per request", param="n", code="invalid_value")
+    if isinstance(req, CompletionRequest):
+        _check_completion_only(req)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     if len(stops) > 4 or any(not s for s in stops):
         raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
+
+
+def _check_completion_only(req: "CompletionRequest") -> None:
+    """400 for a bad ``best_of`` (at least ``n``, at most :data:`MAX_N`, not streamed when it ranks) or ``echo`` with
+    ``logprobs`` (the prompt's own log-probabilities are not computed)."""
+    if req.best_of is not None:
+        if not (req.n or 1) <= req.best_of <= MAX_N:
+            raise APIError(400, f"best_of={req.best_of}: from n ({req.n or 1}) to {MAX_N}", param="best_of",
+                           code="invalid_value")
+        if req.stream and req.best_of > (req.n or 1):
+            raise APIError(400, "best_of > n cannot be streamed (the best are known only when all have finished)",
+                           param="best_of", code="invalid_value")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (it would need the prompt's log-probabilities)",
+                       param="echo", code="unsupported_parameter")
+
+
+def candidates(req: Common) -> int:
+    """How many completions to generate: ``best_of`` when sampling (the ``n`` best of them are returned), else ``n``
+    (greedy candidates are all the same answer)."""
+    n = req.n or 1
+    best_of = getattr(req, "best_of", None) or n
+    return best_of if req.temperature != 0 else n
+
+
+def best_completions(outs: list[dict], n: int) -> list[dict]:
+    """The ``n`` of ``outs`` with the highest mean log-probability per token (OpenAI's ``best_of`` rule; the target's
+    raw log-probabilities, as ``logprobs`` reports them), best first."""
+    def score(out: dict) -> float:
+        logprobs = [e["logprob"] for e in out["logprobs"]]
+        return sum(logprobs) / len(logprobs) if logprobs else 0.0
+    return sorted(outs, key=score, reverse=True)[:n]
 
 
 _UNION_HINTS = {"prompt": "a string, a list with one string or a list of token ids",

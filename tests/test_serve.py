@@ -180,6 +180,37 @@ def test_n_completions_are_rows_with_their_own_seeds(tiny, client):
     assert sum(1 for c in chunks[:-1] if c.choices[0].finish_reason) == 2
 
 
+def test_best_of_returns_the_best_seeded_candidates(client):
+    """best_of: best_of seeded candidates (those of n = 1 requests seeded seed, seed + 1, ...), the n with the highest
+    mean log-probability per token returned best first; usage counts every candidate; greedy runs n only."""
+    kw = dict(model="target", prompt="Once upon", max_tokens=10, temperature=1.0)
+    solo = [client.completions.create(**kw, seed=7 + i, logprobs=0).choices[0] for i in range(4)]
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in solo]
+    want = [solo[i].text for i in sorted(range(4), key=lambda i: mean[i], reverse=True)[:2]]
+    out = client.completions.create(**kw, seed=7, n=2, best_of=4)
+    assert [c.text for c in out.choices] == want and [c.index for c in out.choices] == [0, 1]
+    assert all(c.logprobs is None for c in out.choices)  # ranked by log-probs, reported only when asked
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in solo)
+    plain = client.completions.create(**{**kw, "temperature": 0})
+    greedy = client.completions.create(**{**kw, "temperature": 0}, best_of=3)
+    assert greedy.choices[0].text == plain.choices[0].text
+    assert greedy.usage.completion_tokens == plain.usage.completion_tokens  # one candidate
+
+
+def test_echo_prepends_the_prompt(tiny, client):
+    _, _, _, tok = tiny
+    plain = client.completions.create(model="target", prompt="Once upon", max_tokens=8, temperature=0)
+    echoed = client.completions.create(model="target", prompt="Once upon", max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Once upon" + plain.choices[0].text
+    ids = tok("Once upon")["input_ids"]
+    by_ids = client.completions.create(model="target", prompt=ids, max_tokens=8, temperature=0, echo=True)
+    assert by_ids.choices[0].text == tok.decode(ids) + plain.choices[0].text
+    chunks = list(client.completions.create(model="target", prompt="Once upon", max_tokens=8, temperature=0,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].text == "Once upon"
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
 def test_logprobs_are_the_targets_own(tiny, client):
     """logprobs: each emitted token's log-probability under the target (raw logits, as vLLM reports them) and the
     likeliest alternatives; greedy tokens are their own top alternative; streamed entries spell the text."""
@@ -351,6 +382,10 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
      400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"hi": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}, 413, None),
