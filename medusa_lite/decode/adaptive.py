@@ -47,7 +47,10 @@ class SpeedGuard:
     """Checks a bucket's ladder against realized speed while decoding and moves along it.
 
     Starts on the first rung (the fitted tree). After ``window`` steps on a rung, its realized tokens/s
-    (tokens emitted / wall seconds of those steps) is compared with every rung below it: with a rung's own
+    (tokens emitted / wall seconds of its last steps, up to ``memory`` of them: a rung that has held for a while is
+    judged on more steps than one just tried, so a short run of misses, which a drafter accepting a token on a
+    third of its steps has every few dozen steps, does not throw away a tree that pays) is compared with every
+    rung below it: with a rung's own
     realized speed when it was measured recently, else with its prediction corrected by what the current
     rung showed, both in time (steps running slower than predicted: a busy machine) and in acceptance
     (fewer drafted tokens accepted than the table says: harder text than the calibration's). The guard
@@ -62,15 +65,19 @@ class SpeedGuard:
     drafts, and every acceptance rule (greedy walk, rejection sampling) is exact whatever tree it gets.
     """
 
-    def __init__(self, ladder: list[Rung], window: int = 8, retry: int = 64, max_retry: int = 1024):
+    def __init__(self, ladder: list[Rung], window: int = 8, retry: int = 64, max_retry: int = 1024,
+                 memory: int | None = None):
         if not ladder:
             raise ValueError("a ladder needs at least one rung")
         self.ladder = ladder
         self.window, self.retry, self.max_retry = window, retry, max_retry
+        memory = 4 * window if memory is None else memory
+        if memory < window:
+            raise ValueError(f"memory ({memory}) must be at least window ({window})")
         self.wait = retry                                      # steps below the top before the next try up
         self.trying = False                                    # on a rung reached by a try, window not done
         self.level = 0
-        self.recent = [deque(maxlen=window) for _ in ladder]  # (tokens, seconds) of the last steps per rung
+        self.recent = [deque(maxlen=memory) for _ in ladder]  # (tokens, seconds) of the last steps per rung
         self.age = [math.inf for _ in ladder]                  # steps since a rung's figures were taken
         self.below_top = 0                                     # steps since the last move
 
@@ -79,7 +86,7 @@ class SpeedGuard:
         return self.level
 
     def realized(self, level: int) -> float | None:
-        """Tokens/s of the last ``window`` steps on ``level``, if it has that many."""
+        """Tokens/s of the last steps on ``level`` (up to ``memory``), once it has ``window`` of them."""
         steps = self.recent[level]
         if len(steps) < self.window:
             return None
