@@ -81,15 +81,19 @@ class ChatRequest(Common):
 
 
 MAX_N = 16  # completions per request (each a row of the batch)
+UNSUPPORTED = {  # OpenAI parameters refused whenever set, and why
+    "suffix": "inserting between a prompt and a suffix needs a fill-in-the-middle format the served model's "
+              "tokenizer does not declare",
+    "tools": "tool calls need the model's tool-call format in its chat template and a parser for its output; "
+             "medusa_lite serves text",
+}
 
 
 def _check_unsupported(req: Common) -> None:
     """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name in ("suffix", "tools"):
-        value = getattr(req, name, None)
-        if value:
-            raise APIError(400, f"{name}={value!r} is not supported (medusa_lite serves greedy or sampled "
-                                "completions, exactly the target's)", param=name, code="unsupported_parameter")
+    for name, why in UNSUPPORTED.items():
+        if getattr(req, name, None):
+            raise APIError(400, f"{name} is not supported: {why}", param=name, code="unsupported_parameter")
     requested_logprobs(req)  # 400 for a bad logprobs / top_logprobs
     token_bias(req)  # 400 for a bad logit_bias
     if (req.n or 1) > MAX_N:

@@ -386,6 +386,8 @@ BAD = [  # (path, body (dict or raw bytes), status, param)
     ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "suffix": "bye"}, 400, "suffix"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"hi": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 5}}, 400, None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (MAX_BODY + 10)}]}, 413, None),
