@@ -18,7 +18,7 @@ from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_cl
 from .fit import AcceptanceTable, FitSession, HardwareFit
 from .heads_io import (HeadsMismatchError, check_fingerprint, load_weights, read_heads, resolve_heads_dir, save_heads,
                        target_fingerprint)
-from .sampling import DraftSampler, Penalties, build_warpers, check_supported
+from .sampling import DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree
 
 
@@ -232,11 +232,7 @@ class MedusaModel(nn.Module):
         unused.pop("use_cache", None)
         if unused:
             raise ValueError(f"medusa_lite.generate got unsupported arguments {sorted(unused)}")
-        check_supported(config)
-        vocab = output_weight(self.base_model).shape[0]
-        outside = [token for token, _ in Penalties.from_config(config).bias if token >= vocab]
-        if outside:
-            raise ValueError(f"sequence_bias: token {outside[0]} is outside the vocabulary ({vocab} tokens)")
+        check_supported(config, output_weight(self.base_model).shape[0])
         if (config.num_return_sequences or 1) > 1 and not config.do_sample:
             raise ValueError(f"num_return_sequences={config.num_return_sequences} needs do_sample=True (greedy decoding "
                              "returns one sequence per prompt, as in transformers)")

@@ -35,8 +35,9 @@ _UNSUPPORTED = {
 }
 
 
-def check_supported(config: GenerationConfig) -> None:
-    """Raise ``ValueError`` naming the first generation option medusa_lite cannot honour exactly."""
+def check_supported(config: GenerationConfig, vocab: int | None = None) -> None:
+    """Raise ``ValueError`` naming the first generation option medusa_lite cannot honour exactly (``vocab``: the
+    target's output vocabulary, which a biased token must be in)."""
     for name, default in _UNSUPPORTED.items():
         value = getattr(config, name, default)
         if value is not None and value != default:
@@ -44,7 +45,10 @@ def check_supported(config: GenerationConfig) -> None:
                 f"medusa_lite.generate does not support {name}={value!r}; supported: greedy or sampling "
                 "with temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, "
                 "sequence_bias (single tokens)")
-    Penalties.from_config(config)  # ValueError for a penalty out of range
+    penalties = Penalties.from_config(config)  # ValueError for a penalty out of range
+    outside = [token for token, _ in penalties.bias if vocab is not None and token >= vocab]
+    if outside:
+        raise ValueError(f"sequence_bias: token {outside[0]} is outside the vocabulary ({vocab} tokens)")
 
 
 @dataclass(frozen=True)
@@ -113,9 +117,7 @@ def penalized_logits(logits: torch.Tensor, penalties: Penalties, prompt_seen: to
     """
     scores = logits.float().clone()  # [N, V]
     if penalties.bias:
-        ids = torch.tensor([i for i, _ in penalties.bias], device=logits.device)  # [K]
-        if int(ids[-1]) >= scores.shape[-1]:
-            raise ValueError(f"sequence_bias: token {int(ids[-1])} is outside the vocabulary ({scores.shape[-1]})")
+        ids = torch.tensor([i for i, _ in penalties.bias], device=logits.device)  # [K], ids < V (check_supported)
         scores[:, ids] += torch.tensor([v for _, v in penalties.bias], device=logits.device)  # [N, K]
     if not penalties.prefix_dependent:
         return scores
