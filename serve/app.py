@@ -275,16 +275,12 @@ class Api:
 
     def _prompt_text(self, prompt, prompt_ids: list[int]) -> str:
         """What ``echo`` returns before the completion: the prompt as sent (token ids: their text)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = _one_prompt(prompt)
         return prompt if isinstance(prompt, str) else self.engine.decode(prompt_ids)
 
     def _prompt_ids(self, prompt) -> list[int]:
         """A completion request's prompt (a string, a list of one string, or token ids) as token ids."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise APIError(400, "one prompt per request (send several requests: they are batched)", param="prompt")
-            prompt = prompt[0]
+        prompt = _one_prompt(prompt)
         if isinstance(prompt, str):
             return self.engine.encode(prompt, special=True)
         vocab = self.engine.model.config.vocab_size
@@ -311,6 +307,15 @@ class Api:
                              "logprobs": openai_logprobs(out["logprobs"], True), "finish_reason": out["finish_reason"]}
                             for i, out in enumerate(outs)],
                 "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
+
+
+def _one_prompt(prompt):
+    """A completion request's prompt as a string or token ids (a list of one string unwrapped; of more, a 400)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, "one prompt per request (send several requests: they are batched)", param="prompt")
+        return prompt[0]
+    return prompt
 
 
 def openai_logprobs(entries: list[dict] | None, chat: bool) -> dict | None:
