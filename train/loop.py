@@ -98,7 +98,9 @@ def window_inputs(cfg: TrainConfig, model, proj, data: D.TokenData, hidden: torc
             h, final = split_features(D.gather_windows(hidden, starts, cfg.seq_len).to(rt.device), model.drafter)
             teacher = proj(final.to(proj.weight.dtype))                            # [B, T, V'] from the cache
         else:  # the target forward: its hidden states feed the drafter, its logits are the teacher
-            out = model.base_model(input_ids=ids, output_hidden_states=True, return_dict=True)
+            # with a draft vocabulary the teacher is its own rows of the lm_head: the decoder alone, no [B, T, V]
+            target = model.base_model if proj is lm_head else model.base_model.get_decoder()
+            out = target(input_ids=ids, output_hidden_states=True, return_dict=True)
             h = drafter_features(out.hidden_states, model.drafter.hidden_layers)
             teacher = out.logits if proj is lm_head else proj(out.hidden_states[-1])
     return h, teacher, weights, ids, segments
