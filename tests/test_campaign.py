@@ -74,6 +74,14 @@ def test_campaign_data_resumes_its_chunk_then_trains_twice_from_what_is_committe
     assert any(not torch.equal(again[k], v) for k, v in weights.items() if v.is_floating_point())
 
 
+def test_a_resumed_run_keeps_its_settings_but_takes_this_commands_threads():
+    from medusa_lite.train.campaign import resumed_overrides
+
+    saved = ["data=a,b", "max_steps=1540", "threads=1", "init_heads=campaign/eagle3"]
+    assert resumed_overrides(saved, 2) == ["data=a,b", "max_steps=1540", "init_heads=campaign/eagle3", "threads=2"]
+    assert resumed_overrides(saved, None) == ["data=a,b", "max_steps=1540", "init_heads=campaign/eagle3"]
+
+
 def test_glob_and_gzip_sources(tmp_path):
     for i in range(2):
         plain = write_chat_jsonl(tmp_path / f"part{i}.jsonl", n=5, seed=i)

@@ -218,6 +218,12 @@ def ship_drafter(heads_dir: Path, dest: Path) -> None:
     tmp.rename(dest)
 
 
+def resumed_overrides(saved: list[str], threads: int | None) -> list[str]:
+    """An unfinished run's overrides as it resumes: its own, on as many threads as the resuming command gives (how
+    many cores are free now is not a property of the run; a run begun on one core may finish on two)."""
+    return [o for o in saved if not o.startswith("threads=")] + ([f"threads={threads}"] if threads else [])
+
+
 def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     from medusa_lite.machine import hardware_summary
     from medusa_lite.train import train as T
@@ -226,7 +232,7 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     overrides = train_overrides(root, ledger, args, base)
     marker = Path(args.output_dir) / "campaign-run.json"
     if marker.is_file():  # a run this machine did not finish: its checkpoint resumes under its own settings
-        overrides = json.loads(marker.read_text())
+        overrides = resumed_overrides(json.loads(marker.read_text()), args.threads)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps(overrides) + "\n")
     result = T.main(["--config", args.train_config, *overrides])
