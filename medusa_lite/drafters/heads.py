@@ -62,9 +62,10 @@ class DistillLoss(torch.autograd.Function):
     def backward(ctx, grad):                                            # grad [B, n]
         q, p = ctx.saved_tensors
         kl, tvd = ctx.weights
-        dz = (q - p).mul_(kl) if kl else torch.zeros_like(q)            # [B, n, V']
+        dz = q - p                                                      # [B, n, V']
+        s = torch.sign(dz) if tvd else None
+        dz.mul_(kl)
         if tvd:
-            s = torch.sign(q - p)
             dz += (s - (s * q).sum(-1, keepdim=True)).mul_(q).mul_(0.5 * tvd)
         return (dz.mul_(grad[..., None])).to(ctx.dtype), None, None, None, None
 
