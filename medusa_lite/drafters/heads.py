@@ -40,7 +40,8 @@ LOSSES = ("kl", "ce", "tvd", "kl+tvd")  # the training losses a drafter may use 
 class DistillLoss(torch.autograd.Function):
     """Per-position ``kl * KL(p || q) + tvd * 1/2 sum |p - q|`` with ``q = softmax(z)``, and its gradient in ``z`` in
     closed form: ``kl * (q - p) + tvd * 1/2 q (s - <s, q>)``, ``s = sign(q - p)``. The same numbers autograd gives
-    (a test checks), in a third of the passes over the [B, n, V'] tensors and without keeping autograd's copies.
+    (a test checks) in fewer passes over the [B, n, V'] tensors, without keeping autograd's copies (116 against 130 ms
+    a head, forward and backward, [4, 251, 8192] bf16 logits, one CPU thread).
 
     z [B, n, V'] head logits (any float dtype), p [B, n, V'] and logp the teacher's probabilities and their log (fp32,
     no grad) -> [B, n] (fp32, or fp64 for fp64 logits)."""
