@@ -20,6 +20,7 @@ COMMANDS = {
     "serve": ("medusa_lite.serve.server", "OpenAI-compatible server"),
     "loadtest": ("medusa_lite.serve.loadtest", "concurrent clients against a running (or spawned) server"),
     "bench": ("medusa_lite.serve.bench", "Spec-Bench benchmark vs plain generate and prompt lookup"),
+    "compare": ("medusa_lite.serve.compare", "two bench reports paired by question: B - A with a 95% interval"),
     "calibrate": ("medusa_lite.serve.calibrate", "fit the tree to the heads and this hardware"),
 }
 

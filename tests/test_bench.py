@@ -128,3 +128,36 @@ def test_cli_dispatches_every_command(capsys):
             cli([command, "--help"])
         assert exit_.value.code == 0
         assert f"medusa-lite {command}" in capsys.readouterr().out
+
+
+def _report(speedups: dict[int, float], outputs: dict[int, list[int]]) -> dict:
+    """A bench report whose question k has plain at 10 tok/s and medusa at 10 * speedups[k]."""
+    return {"questions": [{"question_id": k, "task": "qa", "methods": {
+        "plain": {"tokens_per_second": 10.0, "tokens": [1, 2, 3]},
+        "medusa": {"tokens_per_second": 10.0 * s, "tokens": outputs.get(k, [1, 2, 3])}}} for k, s in speedups.items()]}
+
+
+def test_compare_pairs_questions_and_splits_off_those_whose_outputs_differ():
+    from medusa_lite.serve.compare import compare, markdown
+
+    a = _report({1: 1.0, 2: 2.0, 3: 3.0, 4: 1.5}, {})
+    b = _report({1: 1.5, 2: 2.5, 3: 3.5, 4: 0.5}, {4: [1, 2, 9]})  # question 4: B's text parted from A's
+    result = compare(a, b, "medusa", resamples=2000, seed=0)
+    every, same = result["all"], result["same_output"]
+    assert every["questions"] == 4 and every["b_wins"] == 3
+    assert every["diff"] == pytest.approx((0.5 + 0.5 + 0.5 - 1.0) / 4)
+    assert every["ci95"][0] <= every["diff"] <= every["ci95"][1] and every["ci95"][0] < 0  # the loss on q4 shows
+    assert same["questions"] == 3 and same["diff"] == pytest.approx(0.5) and same["ci95"] == [0.5, 0.5]
+    assert "| same output in both | 3 |" in markdown(result, ("a", "b"))
+
+
+def test_compare_main_reads_two_reports(tmp_path, capsys):
+    from medusa_lite.serve.compare import main
+
+    paths = []
+    for name, s in (("a", 1.0), ("b", 1.25)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(_report({1: s, 2: s}, {})))
+        paths.append(str(path))
+    result = main([*paths, "--resamples", "100"])
+    assert result["all"]["diff"] == pytest.approx(0.25) and "B faster on" in capsys.readouterr().out
