@@ -1,4 +1,5 @@
-"""Spec-Bench questions (github.com/hemingkx/Spec-Bench): the six tasks and a loader. Pure data, no model."""
+"""Spec-Bench questions (github.com/hemingkx/Spec-Bench): the six tasks and a loader, which also reads the prompts
+``medusa-lite calibrate`` measures acceptance on (rows that name their own task). Pure data, no model."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ TASKS: dict[str, tuple[int, int]] = {
     "rag": (481, 560),
 }
 
-# shipped with the package (provenance and licence: data/specbench/README.md)
+# shipped with the package (provenance and licence: data/specbench/README.md, data/calibration/README.md)
 DEFAULT_QUESTIONS = Path(__file__).resolve().parent / "data" / "specbench" / "question.jsonl"
+CALIBRATION_PROMPTS = Path(__file__).resolve().parent / "data" / "calibration" / "prompts.jsonl"
 
 
 @dataclass
@@ -39,32 +41,35 @@ def load_questions(path: str | Path = DEFAULT_QUESTIONS, *, limit: int | None = 
                    from_end: bool = False) -> list[Question]:
     """Read ``question.jsonl``; keep ``limit`` questions per task (the first ones, or the last with ``from_end``).
 
-    ``tasks``: names to keep (default all six). Questions are returned grouped by task, in id order.
+    A row is ``{"question_id", "turns"}`` (Spec-Bench: the task is the id's range) or names its own ``"task"``
+    (the calibration prompts). ``tasks``: names to keep (default all: Spec-Bench's six, in its order, then the
+    others in the order they first appear). Questions are returned grouped by task, in id order.
     """
     path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if not path.is_file():
-        raise FileNotFoundError(f"Spec-Bench questions not found at {path}")
-    wanted = list(tasks) if tasks else list(TASKS)
-    unknown = sorted(set(wanted) - set(TASKS))
-    if unknown:
-        raise ValueError(f"unknown Spec-Bench tasks {unknown}; known: {list(TASKS)}")
-    by_task: dict[str, list[Question]] = {t: [] for t in wanted}
+        raise FileNotFoundError(f"questions not found at {path}")
+    by_task: dict[str, list[Question]] = {}
     for line_no, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         row = json.loads(line)
-        task = task_of(int(row["question_id"]))
-        if task is None or task not in by_task:
+        task = row.get("task") or task_of(int(row["question_id"]))
+        if task is None:
             continue
         turns = row.get("turns") or []
         if not turns:
             raise ValueError(f"{path}:{line_no}: question {row['question_id']} has no turns")
-        by_task[task].append(Question(int(row["question_id"]), task, str(turns[0])))
+        by_task.setdefault(task, []).append(Question(int(row["question_id"]), task, str(turns[0])))
+    known = [t for t in TASKS if t in by_task] + [t for t in by_task if t not in TASKS]
+    wanted = list(tasks) if tasks else known
+    unknown = sorted(set(wanted) - set(known) - set(TASKS))
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; known: {known or list(TASKS)}")
     out: list[Question] = []
     for task in wanted:
-        qs = sorted(by_task[task], key=lambda q: q.question_id)
+        qs = sorted(by_task.get(task, []), key=lambda q: q.question_id)
         if limit is not None:
             qs = qs[-limit:] if from_end else qs[:limit]
         out.extend(qs)

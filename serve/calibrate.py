@@ -6,8 +6,10 @@
 
 One path chooses trees, the hardware fit (:mod:`medusa_lite.fit`):
 
-1. the target's own greedy continuations of held-out prompts (by default the *last* ``--per-task`` Spec-Bench
-   questions of each task, so a ``bench --limit N`` run with small N never sees them);
+1. the target's own greedy continuations of held-out prompts: by default the shipped calibration prompts
+   (``medusa_lite/data/calibration``: the campaign's held-out ShareGPT prompts of seven kinds, which no drafter
+   trains on, and never the benchmark's questions: a table measured on Spec-Bench text would tune the trees to
+   the benchmark), the last ``--per-task`` of each kind;
 2. per-head top-k accuracy against the target, teacher-forced;
 3. the heads' **acceptance table** (``acceptance.json``, hardware-independent): every candidate tree (the accuracy
    formula's best static tree of each size, Hydra heads' dynamic trees, prompt-lookup branches) replayed on the
@@ -36,7 +38,7 @@ from medusa_lite.calibrate import acceptance_table, continuations, measure_head_
 from medusa_lite.fit import AcceptanceTable
 from medusa_lite.paths import PRETRAINED_DIR
 from medusa_lite.settings import SettingsParser, option
-from medusa_lite.specbench import DEFAULT_QUESTIONS, load_questions
+from medusa_lite.specbench import CALIBRATION_PROMPTS, load_questions
 from medusa_lite.targets import load_model
 
 REPORT_NAME = "calibration.json"
@@ -49,8 +51,9 @@ class CalibrateSettings:
     heads: str = option(str(PRETRAINED_DIR), "heads directory (default: the bundled heads)")
     target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     dtype: Literal["fp32", "bf16"] = option("fp32", "dtype of the target")
-    questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl (prompts)")
-    per_task: int = option(2, "held-out prompts per Spec-Bench task (the last ones)")
+    questions: str = option(str(CALIBRATION_PROMPTS), "prompts JSONL: rows {question_id, task, turns} or Spec-Bench's "
+                                                      "question.jsonl (default: the shipped calibration prompts)")
+    per_task: int = option(2, "prompts per task (the last ones)")
     max_new_tokens: int = option(96, "length of the target's continuations")
     topk: int = option(10, "ranks measured per head")
     threads: int | None = option(None, "torch.set_num_threads (default: torch's choice)")

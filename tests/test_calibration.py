@@ -117,6 +117,21 @@ def test_calibrate_dry_run_leaves_heads_unchanged(tmp_path, monkeypatch):
         run("--fallback-only")
 
 
+def test_the_shipped_calibration_prompts_are_not_the_benchmarks_questions():
+    """calibrate's default prompts are the campaign's held-out ShareGPT prompts, seven kinds named by their rows, and
+    share no text with Spec-Bench (the table must not be tuned to the benchmark); Spec-Bench rows still group by id."""
+    from medusa_lite.specbench import CALIBRATION_PROMPTS, DEFAULT_QUESTIONS, TASKS, load_questions
+    prompts = load_questions(CALIBRATION_PROMPTS)
+    assert len(prompts) == 48
+    assert {q.task for q in prompts} == {"chat", "multi", "summarize", "translate", "passage", "arithmetic", "code"}
+    assert not {q.prompt for q in prompts} & {q.prompt for q in load_questions(DEFAULT_QUESTIONS)}
+    assert [q.task for q in load_questions(CALIBRATION_PROMPTS, limit=1)] == [
+        "code", "multi", "translate", "summarize", "chat", "arithmetic", "passage"]  # in order of first appearance
+    assert [q.task for q in load_questions(DEFAULT_QUESTIONS, limit=1)] == list(TASKS)
+    with pytest.raises(ValueError, match="unknown tasks"):
+        load_questions(CALIBRATION_PROMPTS, tasks=["poetry"])
+
+
 def test_configs_of_0_1_read_their_fp32_tree_as_the_fallback(tmp_path):
     """Heads saved by 0.1 carry per-dtype trees (``dtype_trees``) and ``tree.json``: their fp32 greedy tree (what the
     CPU decoded with) becomes the fallback, with no warning about the retired key."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-
+from pathlib import Path
 
 from ..fit import BUCKETS, AcceptanceTable, Candidate
 from ..tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json
@@ -58,7 +58,7 @@ def acceptance_table(model, sequences, acc, questions, args):
                                     progress=True)
         sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
     data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": args.target or "SmolLM2-135M-Instruct",
-            "dtype": args.dtype, "prompts": "Spec-Bench, the last %d questions of each task" % args.per_task,
+            "dtype": args.dtype, "prompts": f"{_short(args.questions)}, the last {args.per_task} of each task",
             "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
             "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay": "greedy decoding's steps",
             "sampled_prompts": len(prompts),
@@ -67,3 +67,9 @@ def acceptance_table(model, sequences, acc, questions, args):
         print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
     return AcceptanceTable(buckets=list(BUCKETS), greedy=rows, sample=sampled,
                            sample_temperature=args.sample_temperature or None, data=data)
+
+
+def _short(path) -> str:
+    """``folder/file`` of a prompts file: names the set without this machine's paths."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}"
