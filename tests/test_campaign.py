@@ -74,6 +74,28 @@ def test_campaign_data_resumes_its_chunk_then_trains_twice_from_what_is_committe
     assert any(not torch.equal(again[k], v) for k, v in weights.items() if v.is_floating_point())
 
 
+def test_a_later_round_asks_the_same_records_for_other_kinds_and_stops_before_the_heldout_range(material):
+    from medusa_lite.train.campaign import next_chunk
+    from medusa_lite.train.distill_data import ROUND, prompts_of
+
+    kinds = ("chat", "summarize", "arithmetic")
+    rounds = [{i % ROUND: kind for i, kind, _ in prompts_of(material["data"], kinds, limit=12, skip=r * ROUND, seed=0)}
+              for r in range(3)]
+    assert rounds[0] and all(kind == kinds[j % 3] for j, kind in rounds[0].items())  # round 0: kinds in turn
+    for r in (1, 2):
+        assert rounds[r] and all(kind == kinds[(j + r) % 3] for j, kind in rounds[r].items())  # then shifted
+
+    ledger = {"mix": list(kinds), "eval_start": 60, "data": [{"skip_prompts": 50, "num_prompts": 8, "complete": True}]}
+    entry = next_chunk(ledger, 8)
+    assert (entry["skip_prompts"], entry["num_prompts"]) == (58, 2)  # a round ends where the held-out range begins
+    entry["complete"] = True
+    entry = next_chunk(ledger, 8)
+    assert (entry["skip_prompts"], entry["num_prompts"], entry["file"]) == (ROUND, 8, f"data/distill-{ROUND}.jsonl.gz")
+    ledger["data"] = [{"skip_prompts": 2 * ROUND + 52, "num_prompts": 8, "complete": True}]
+    with pytest.raises(ValueError, match="in each of the 3 kinds"):
+        next_chunk(ledger, 8)
+
+
 def test_a_resumed_run_keeps_its_settings_but_takes_this_commands_threads():
     from medusa_lite.train.campaign import resumed_overrides
 

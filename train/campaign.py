@@ -94,14 +94,21 @@ def save_ledger(root: Path, ledger: dict) -> None:
 
 
 def next_chunk(ledger: dict, chunk: int) -> dict:
-    """The first unfinished chunk, else a new one after the last; never inside the reserved held-out range."""
+    """The first unfinished chunk, else a new one after the last; never inside the reserved held-out range (nor
+    past it: each round of prompts ends where the held-out range begins, and the next round starts at the next
+    multiple of :data:`~medusa_lite.train.distill_data.ROUND`, asking the same records for other kinds)."""
+    from medusa_lite.train.distill_data import ROUND
+
     for entry in ledger["data"]:
         if not entry["complete"]:
             return entry
     start = max((e["skip_prompts"] + e["num_prompts"] for e in ledger["data"]), default=0)
-    num = min(chunk, ledger["eval_start"] - start)
-    if num <= 0:
-        raise ValueError(f"every prompt before the held-out range ({ledger['eval_start']}) is answered")
+    if start % ROUND >= ledger["eval_start"]:
+        start = (start // ROUND + 1) * ROUND
+    if start // ROUND >= len(ledger["mix"]):
+        raise ValueError(f"every prompt before the held-out range ({ledger['eval_start']}) is answered in each of "
+                         f"the {len(ledger['mix'])} kinds")
+    num = min(chunk, start - start % ROUND + ledger["eval_start"] - start)
     entry = new_entry(f"data/distill-{start:05d}.jsonl.gz", start, num)
     ledger["data"].append(entry)
     return entry

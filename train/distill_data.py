@@ -118,13 +118,28 @@ def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
     return [{"role": "user", "content": task}]
 
 
+ROUND = 20_000  # prompt indices per round: index i asks record i % ROUND of the shuffle (more than ShareGPT holds)
+
+
+def prompt_kind(kinds: tuple[str, ...], i: int) -> str:
+    """The kind of request prompt index ``i`` makes: kinds in turn over the records, shifted by one each round, so
+    that each of the first ``len(kinds)`` rounds asks a record for another kind (a new prompt, and a new answer,
+    from the same text)."""
+    record, round_ = i % ROUND, i // ROUND
+    return kinds[(record + round_) % len(kinds)]
+
+
 def prompts_of(path: Path, kinds: tuple[str, ...], *, limit: int, skip: int, seed: int) -> list[tuple[int, str, list]]:
-    """(index, kind, messages) for records ``skip .. skip + limit`` of the seeded shuffle, kinds taken in turn."""
-    records, _ = D.read_records(path, limit=skip + limit, seed=seed)
+    """(index, kind, messages) for prompt indices ``skip .. skip + limit``: index i draws record ``i % ROUND`` of
+    the seeded shuffle and asks it :func:`prompt_kind` (records a round runs past are skipped)."""
+    end = skip + limit
+    records, _ = D.read_records(path, limit=None if end > ROUND else end, seed=seed)
     out = []
-    for i, rec in enumerate(records[skip:], start=skip):
-        kind = kinds[i % len(kinds)]
-        messages = build_prompt(kind, i, rec)
+    for i in range(skip, end):
+        if i % ROUND >= len(records):
+            continue
+        kind = prompt_kind(kinds, i)
+        messages = build_prompt(kind, i, records[i % ROUND])
         if messages is not None:
             out.append((i, kind, messages))
     return out
