@@ -71,7 +71,8 @@ def test_campaign_data_resumes_its_chunk_then_trains_twice_from_what_is_committe
     assert f"init_heads={root / 'hydra'}" in second["command"]
     assert f"warm start from {root / 'hydra'}" in capsys.readouterr().out
     again = load_file(str(root / "hydra" / "heads.safetensors"))
-    assert any(not torch.equal(again[k], v) for k, v in weights.items() if v.is_floating_point())
+    changed = any(not torch.equal(again[k], v) for k, v in weights.items() if v.is_floating_point())
+    assert changed == second["kept"]  # written back only when it is no worse on the held-out set (improves())
 
 
 def test_a_later_round_asks_the_same_records_for_other_kinds_and_stops_before_the_heldout_range(material):
@@ -94,6 +95,16 @@ def test_a_later_round_asks_the_same_records_for_other_kinds_and_stops_before_th
     ledger["data"] = [{"skip_prompts": 2 * ROUND + 52, "num_prompts": 8, "complete": True}]
     with pytest.raises(ValueError, match="in each of the 3 kinds"):
         next_chunk(ledger, 8)
+
+
+def test_a_run_below_the_committed_drafter_on_heldout_is_recorded_but_not_kept():
+    from medusa_lite.train.campaign import improves
+
+    runs = [{"heldout_top1": [0.60, 0.50]}, {"heldout_top1": [0.70, 0.60], "kept": True},
+            {"heldout_top1": [0.80, 0.80], "kept": False}]  # a run not kept is no bar
+    assert improves(runs, [0.66, 0.64]) and improves(runs, [0.65, 0.65])
+    assert not improves(runs, [0.70, 0.59])
+    assert improves([], [0.1]) and improves(runs, None)
 
 
 def test_a_resumed_run_keeps_its_settings_but_takes_this_commands_threads():

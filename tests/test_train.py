@@ -4,6 +4,7 @@ deepspeed launcher), PEFT targets and the vLLM export. Tiny random targets only,
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -291,6 +292,23 @@ def test_one_step_changes_heads_and_leaves_every_target_tensor_bit_identical(mat
     after_target = model.base_model.state_dict()
     assert all(torch.equal(before_target[k], after_target[k]) for k in before_target)
     assert any(not torch.equal(before_heads[k], v) for k, v in model.drafter.state_dict().items())
+
+
+def test_the_learning_rate_decays_by_the_time_limit_when_the_steps_would_not():
+    """A schedule sized at another machine's speed: at the time limit the rate is at its floor however few of
+    ``max_steps`` are done; without a limit (or with time to spare) the steps alone set it."""
+    from medusa_lite.train.engine import TrainClock, lr_lambda
+
+    cfg = TrainConfig(max_steps=1000, warmup_steps=10, time_limit_minutes=1.0)
+    clock = TrainClock(cfg.time_limit_minutes)
+    fn = lr_lambda(cfg, clock)
+    assert fn(5) == pytest.approx(0.6) and fn(10) == pytest.approx(1.0)  # warm-up, then the peak
+    clock.start(before_seconds=30.0)  # half the limit trained before this resume
+    assert fn(10) == pytest.approx(0.55, abs=0.01)  # cos at progress 0.5: halfway to the floor
+    clock.start(before_seconds=60.0)
+    assert fn(100) == pytest.approx(0.1)  # the limit: the floor, at step 100 of 1,000
+    assert lr_lambda(cfg)(100) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 90 / 990)))  # steps only
+    assert TrainClock(None).fraction() == 0.0
 
 
 def test_resume_after_a_stop_ends_at_the_planned_step_with_the_same_data_order(material, tmp_path):

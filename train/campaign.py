@@ -246,10 +246,16 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     if "heads_dir" not in result:
         print("campaign: training stopped before its end (checkpoint kept in output_dir); rerun to finish")
         return
-    ship_drafter(Path(result["heads_dir"]), root / base.head_type)
+    ev = result.get("eval", {})
+    kept = improves(ledger["runs"], ev.get("top1"))
+    if kept:
+        ship_drafter(Path(result["heads_dir"]), root / base.head_type)
+    else:
+        print(f"campaign: held-out top-1 {ev.get('top1')} is below the committed drafter's: it stays; the run is "
+              f"recorded, its heads left in {result['heads_dir']}")
     shutil.rmtree(Path(args.output_dir) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
     marker.unlink()
-    stats, ev = result["stats"], result.get("eval", {})
+    stats = result["stats"]
     ledger = load_ledger(root, args)  # as it stands now: a data run may have added chunks while this one trained
     ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
                            "command": "medusa-lite train --config " + args.train_config + " " + " ".join(overrides),
@@ -260,9 +266,19 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
                            "data_chunks": sum(1 for e in ledger["data"] if e["records"]),
                            "answer_tokens": sum(e["answer_tokens"] for e in ledger["data"]),
                            "heldout_top1": ev.get("top1"), "heldout_top5": ev.get("top5"),
-                           "heldout_accept_t1": ev.get("accept_t1")})
+                           "heldout_accept_t1": ev.get("accept_t1"), "kept": kept})
     save_ledger(root, ledger)
-    print(f"campaign: drafter written to {root / base.head_type}; held-out top-1 {ev.get('top1')}")
+    if kept:
+        print(f"campaign: drafter written to {root / base.head_type}; held-out top-1 {ev.get('top1')}")
+
+
+def improves(runs: list[dict], top1: list[float] | None) -> bool:
+    """Whether a run's held-out top-1 (mean over depths) is at least the committed drafter's (the last run kept):
+    a run never leaves the campaign behind where it was. Without figures to compare, the new run is kept."""
+    kept = [r for r in runs if r.get("kept", True) and r.get("heldout_top1")]
+    if not kept or not top1:
+        return True
+    return sum(top1) / len(top1) >= sum(kept[-1]["heldout_top1"]) / len(kept[-1]["heldout_top1"])
 
 
 def status(ledger: dict) -> str:
@@ -273,7 +289,7 @@ def status(ledger: dict) -> str:
              f"held-out: {ledger['eval']['records'] if ledger['eval'] else 0} records",
              f"training runs: {len(ledger['runs'])}"]
     lines += [f"  {r['date']} {r['steps']} steps, {r['minutes']} min, held-out top-1 {r['heldout_top1']}"
-              for r in ledger["runs"]]
+              + ("" if r.get("kept", True) else " (below the committed drafter: not kept)") for r in ledger["runs"]]
     return "\n".join(lines)
 
 

@@ -180,6 +180,7 @@ def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: R
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step",
                disable=not (cfg.progress and rt.rank == 0), mininterval=5)
     t_start = time.time()
+    engine.clock.start(elapsed)
     timed_out = False
     while step < stop:
         stats = train_step(cfg, model, proj, engine, train_data, train_hidden, batches.micro_batches(step), rt)
