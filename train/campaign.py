@@ -31,6 +31,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 
 from medusa_lite.config import CONFIG_NAME
 from medusa_lite.settings import Names, SettingsParser, option
@@ -278,7 +279,7 @@ def improves(runs: list[dict], top1: list[float] | None) -> bool:
     kept = [r for r in runs if r.get("kept", True) and r.get("heldout_top1")]
     if not kept or not top1:
         return True
-    return sum(top1) / len(top1) >= sum(kept[-1]["heldout_top1"]) / len(kept[-1]["heldout_top1"])
+    return fmean(top1) >= fmean(kept[-1]["heldout_top1"])
 
 
 def status(ledger: dict) -> str:

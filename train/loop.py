@@ -188,8 +188,7 @@ def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: R
         tokens += int(stats["count"][0])
         log.add(stats)
         bar.update(1)
-        timed_out = cfg.time_limit_minutes is not None and \
-            elapsed + time.time() - t_start > 60 * cfg.time_limit_minutes
+        timed_out = engine.clock.fraction() > 1.0  # the same clock the learning rate decays by
         if step % cfg.log_every == 0 or step == stop or timed_out:
             record = log.write(step, round(step / batches.steps_per_epoch, 3), engine.lr(), tokens)
             bar.set_postfix(loss=record["loss"][0], top1=record["top1"][0])
