@@ -42,6 +42,16 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def guard_summary(fit, fitted: dict) -> str:
+    """What the guard did in the last answer: the fitted tree's predicted speed, the realized speed of the answer's
+    steps (every rung the guard ran, the root alone included) and how many steps each rung took."""
+    realized = fitted["realized_tokens_per_second"][0]
+    steps = sorted(fitted["steps_by_tree"].items(), key=lambda kv: -kv[1])
+    rungs = ", ".join(f"{'root alone' if tree == '[]' else tree}: {n}" for tree, n in steps)
+    return (f"fitted tree, short contexts: predicted {fit.ladders[0][0].tokens_per_second:.1f} tok/s, realized "
+            f"{realized or 0:.1f} tok/s over the last answer's steps (steps per tree, as the guard chose: {rungs})")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -70,9 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"    plain {n_ref / t_plain:.1f} tok/s | medusa_lite {n_out / t_medusa:.1f} tok/s | "
               f"{accepted[-1]:.2f} tokens/forward | identical to plain: {same}")
     if fit is not None:
-        realized = model.last_stats.fitted["realized_tokens_per_second"][0]
-        print(f"\nfitted tree, short contexts: predicted {fit.ladders[0][0].tokens_per_second:.1f} tok/s, "
-              f"realized {realized or 0:.1f} tok/s in the last answer's speculative steps")
+        print("\n" + guard_summary(fit, model.last_stats.fitted))
     plain_tps = totals["plain"][0] / totals["plain"][1]
     medusa_tps = totals["medusa"][0] / totals["medusa"][1]
     print(f"\nsummary ({args.dtype}, greedy, {args.max_new_tokens} new tokens): plain generate {plain_tps:.1f} tok/s, "

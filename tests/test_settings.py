@@ -73,3 +73,15 @@ def test_command_settings():
         calibrate(["--temperature", "1.0"])
     assert demo(["--no-fit", "--max-new-tokens", "16"]).fit is False
     assert demo(["--threads", "1"]).threads == 1 and demo([]).threads is None
+
+
+def test_demo_guard_summary_names_every_rung_the_guard_ran():
+    from types import SimpleNamespace
+
+    from medusa_lite.serve.demo import guard_summary
+
+    fit = SimpleNamespace(ladders=[[SimpleNamespace(tokens_per_second=20.25)]])
+    fitted = {"realized_tokens_per_second": [13.9, None], "steps_by_tree": {"[]": 81, "[[0],[0,0]]": 8}}
+    line = guard_summary(fit, fitted)
+    assert "predicted 20.2 tok/s" in line and "realized 13.9 tok/s" in line
+    assert line.endswith("(steps per tree, as the guard chose: root alone: 81, [[0],[0,0]]: 8)")
