@@ -552,8 +552,8 @@ def test_distill_data_writes_the_targets_answers_and_resumes(material, tmp_path)
 @pytest.mark.parametrize("head_type", ["eagle3", "hydra"])
 def test_warm_start_grows_a_draft_vocabulary_and_keeps_the_trained_rows(tmp_path, head_type):
     """init_heads with a larger draft_vocab: every saved token stays (its trained lm_head rows with it), the most
-    frequent trained tokens fill the rest from the target's rows, so the drafter ranks the saved tokens as before;
-    a smaller vocabulary is refused."""
+    frequent trained tokens fill the rest from the target's rows carried into the trained rows' space, so the drafter
+    ranks the saved tokens as before; a smaller vocabulary is refused."""
     from conftest import random_heads, tiny_model
 
     from medusa_lite import MedusaModel
@@ -580,6 +580,24 @@ def test_warm_start_grows_a_draft_vocabulary_and_keeps_the_trained_rows(tmp_path
         rows = torch.searchsorted(new, small.drafter.draft_ids)
         assert torch.equal(big.drafter.lm_head.weight[rows], small.drafter.lm_head.weight)
         fresh = [i for i, token in enumerate(new.tolist()) if token not in set(small.drafter.draft_ids.tolist())]
-        assert torch.equal(big.drafter.lm_head.weight[fresh], target.get_output_embeddings().weight[new[fresh]])
+        rows_of = target.get_output_embeddings().weight
+        carry = torch.linalg.lstsq(rows_of[small.drafter.draft_ids], small.drafter.lm_head.weight).solution
+        assert torch.allclose(big.drafter.lm_head.weight[fresh], rows_of[new[fresh]] @ carry, atol=1e-5)
     with pytest.raises(ValueError, match="can grow, not shrink"):
         warm_start(make(8), tmp_path / "small", data)
+
+
+def test_grown_vocabulary_rows_start_where_training_moved_the_saved_ones():
+    """Trained rows that are a linear transform of their fresh start: the new tokens' rows get the same transform,
+    exactly (a fresh row beside trained ones would be on another scale and outscore them); trained rows stay."""
+    from medusa_lite.train.train import merge_vocabulary_rows
+
+    g = torch.Generator().manual_seed(0)
+    fresh = torch.randn(40, 8, generator=g)                     # [V1, H]
+    moved = torch.randn(8, 8, generator=g)                      # what training did to every row
+    rows = torch.arange(0, 40, 2)                               # [V0] where the saved tokens sit
+    merged = merge_vocabulary_rows(fresh, fresh[rows] @ moved, rows)
+    assert torch.equal(merged[rows], fresh[rows] @ moved)
+    assert torch.allclose(merged[1::2], fresh[1::2] @ moved, atol=1e-4)
+    norms = torch.ones(40)
+    assert torch.equal(merge_vocabulary_rows(norms, torch.full((20,), 2.0), rows)[1::2], norms[1::2])  # 1-D: fresh
