@@ -290,7 +290,7 @@ def status(ledger: dict) -> str:
              f"held-out: {ledger['eval']['records'] if ledger['eval'] else 0} records",
              f"training runs: {len(ledger['runs'])}"]
     lines += [f"  {r['date']} {r['steps']} steps, {r['minutes']} min, held-out top-1 {r['heldout_top1']}"
-              + ("" if r.get("kept", True) else " (below the committed drafter: not kept)") for r in ledger["runs"]]
+              + ("" if r.get("kept", True) else " (not kept: see its note in the ledger)") for r in ledger["runs"]]
     return "\n".join(lines)
 
 
