@@ -93,7 +93,8 @@ def grows(saved_size: int | None, config) -> bool:
 def grow_vocabulary(model, state: dict[str, torch.Tensor], counts: torch.Tensor) -> dict[str, torch.Tensor]:
     """``state`` (a saved drafter's weights) fitted to ``model``'s larger draft vocabulary: every saved token stays
     with its trained rows; the most frequent trained tokens (``counts`` [V]) fill the rest, their rows as a fresh
-    drafter starts them (the target's own, :meth:`Drafter.vocabulary_changed`)."""
+    drafter starts them (the target's own, :meth:`Drafter.vocabulary_changed`) carried into the trained rows' space
+    (:func:`merge_vocabulary_rows`)."""
     old = state["draft_ids"]                                            # [V0] sorted token ids
     size = model.config.draft_vocab_size or model.config.vocab_size
     counts = counts.clone().float()
