@@ -107,6 +107,19 @@ def test_a_run_below_the_committed_drafter_on_heldout_is_recorded_but_not_kept()
     assert improves([], [0.1]) and improves(runs, None)
 
 
+def test_the_schedule_runs_at_the_speed_of_the_last_run_kept(tmp_path):
+    from types import SimpleNamespace
+
+    from medusa_lite.train.campaign import train_overrides
+
+    base = SimpleNamespace(micro_batch_size=2, grad_accum=2, seq_len=100, warmup_steps=1, data="sharegpt[0:9]",
+                           head_type="eagle3")
+    args = SimpleNamespace(minutes=10, output_dir="out", threads=None, extra=())
+    runs = [{"positions_per_s": 40.0}, {"positions_per_s": 10.0, "kept": False}]  # a discarded larger drafter
+    ledger = {"data": [], "eval": None, "runs": runs}
+    assert "max_steps=60" in train_overrides(tmp_path, ledger, args, base)  # 600 s x 40 pos/s / 400 pos a step
+
+
 def test_a_resumed_run_keeps_its_settings_but_takes_this_commands_threads():
     from medusa_lite.train.campaign import resumed_overrides
 

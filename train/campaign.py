@@ -190,10 +190,11 @@ def run_eval(root: Path, ledger: dict, args: CampaignSettings) -> None:
 # ---------------------------------------------------------------------------------------------- train
 def train_overrides(root: Path, ledger: dict, args: CampaignSettings, base) -> list[str]:
     """The train command's overrides: every committed chunk before the config's own ``data``, the held-out file,
-    the committed drafter to start from, and a schedule (``max_steps``) that fits ``--minutes`` at the last run's
-    speed."""
+    the committed drafter to start from, and a schedule (``max_steps``) that fits ``--minutes`` at the speed of the
+    last run kept (the committed drafter's own shape: a run not kept may have tried another, e.g. a larger vocabulary)."""
     chunks = [str(root / e["file"]) for e in ledger["data"] if e["records"]]
-    positions_per_s = ledger["runs"][-1]["positions_per_s"] if ledger["runs"] else DEFAULT_POSITIONS_PER_S
+    kept = [r for r in ledger["runs"] if r.get("kept", True)]
+    positions_per_s = kept[-1]["positions_per_s"] if kept else DEFAULT_POSITIONS_PER_S
     steps = max(int(args.minutes * 60 * positions_per_s / (base.micro_batch_size * base.grad_accum * base.seq_len)),
                 2 * base.warmup_steps)
     # no feature cache: a machine sees each token about once per run, and the cache (4.6 KB a token) is neither
