@@ -195,3 +195,31 @@ def test_an_interrupted_data_run_commits_what_it_answered(material, tmp_path, mo
     campaign(["data", *common, "--minutes=10", "--max-chunks=1"])
     entry = json.loads((root / "ledger.json").read_text())["data"][0]
     assert entry["complete"] and entry["records"] > 2
+
+
+def test_two_runs_trained_side_by_side_keep_the_better_whichever_finishes_last(tmp_path, monkeypatch):
+    """Two recipes trained at once (one per core) both start from the same committed drafter; the one finishing
+    second is judged against the ledger as it stands when it finishes, not as it stood when it began."""
+    from types import SimpleNamespace
+
+    from medusa_lite.train import campaign as C
+    from medusa_lite.train import train as T
+
+    root = tmp_path / "campaign"
+    base = SimpleNamespace(micro_batch_size=1, grad_accum=1, seq_len=8, warmup_steps=1, data="x", head_type="eagle3")
+    monkeypatch.setattr(T, "build_config", lambda *a: base)
+    shipped = []
+    monkeypatch.setattr(C, "ship_drafter", lambda heads, dest: shipped.append(heads))
+    args = C.CampaignSettings(root=str(root), output_dir=str(tmp_path / "out"))
+    C.save_ledger(root, {**C.load_ledger(root, args), "runs": [{"heldout_top1": [0.5], "positions_per_s": 1.0}]})
+    stats = {"step": 1, "tokens": 8, "this_run_steps": 1, "positions_per_step": 8, "this_run_seconds": 1.0}
+
+    def train_while_the_other_run_finishes(argv):
+        ledger = C.load_ledger(root, args)  # the run on the other core finishes first, better, and is kept
+        C.save_ledger(root, {**ledger, "runs": ledger["runs"] + [{"heldout_top1": [0.7], "kept": True}]})
+        return {"heads_dir": "mine", "eval": {"top1": [0.6]}, "stats": stats}
+
+    monkeypatch.setattr(T, "main", train_while_the_other_run_finishes)
+    C.run_train(root, C.load_ledger(root, args), args)  # began when the bar was 0.5
+    runs = C.load_ledger(root, args)["runs"]
+    assert shipped == [] and [r.get("kept") for r in runs[1:]] == [True, False]

@@ -249,6 +249,9 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
         print("campaign: training stopped before its end (checkpoint kept in output_dir); rerun to finish")
         return
     ev = result.get("eval", {})
+    # the bar as it stands now: a data run may have added chunks, and a run trained beside this one (another recipe
+    # on the other core) may have finished first and been kept
+    ledger = load_ledger(root, args)
     kept = improves(ledger["runs"], ev.get("top1"))
     if kept:
         ship_drafter(Path(result["heads_dir"]), root / base.head_type)
@@ -258,7 +261,6 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     shutil.rmtree(Path(args.output_dir) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
     marker.unlink()
     stats = result["stats"]
-    ledger = load_ledger(root, args)  # as it stands now: a data run may have added chunks while this one trained
     ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
                            "command": "medusa-lite train --config " + args.train_config + " " + " ".join(overrides),
                            "steps": stats["step"], "positions": stats["tokens"],
