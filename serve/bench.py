@@ -3,10 +3,13 @@
     medusa-lite bench                                   # all 480 questions, 256 new tokens, greedy, fp32
     medusa-lite bench --limit 5 --max-new-tokens 128    # quick: the first 5 questions of each task
     medusa-lite bench --temperature 1.0 --dtype bf16 --methods plain,medusa
+    medusa-lite bench --limit 5 --methods plain,medusa --heads A --vs-heads B   # two drafters, paired
 
 Batch size 1, the chat template, the first turn of every question (MT-bench's second turns are not
 run), in one process; per question the methods run back to back in a rotating order, each from the
-same prompt. A warm-up generation per method is excluded. Outputs in ``--out``: ``results.json``
+same prompt. A warm-up generation per method is excluded. ``--vs-heads`` adds a second drafter on the same
+target (method ``vs``), run beside ``medusa`` question by question and paired with it as ``medusa-lite compare``
+pairs two reports: the fair way to tell two drafters apart on a machine whose speed drifts. Outputs in ``--out``: ``results.json``
 (every question and the summaries), ``results.md`` (tables), ``speedup.png`` and ``acceptance.png``.
 Timings are whatever this machine gives; the report never judges them.
 """
@@ -26,18 +29,22 @@ import torch
 from tqdm import tqdm
 
 from medusa_lite import MedusaModel
+from medusa_lite.serve.compare import compare
+from medusa_lite.serve.compare import markdown as paired_markdown
 from medusa_lite.settings import Names, SettingsParser, option
 from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_questions
 from medusa_lite.targets import describe_heads, load_model
 from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
 
-METHODS = ("plain", "pld", "medusa", "loop", "stored")
+METHODS = ("plain", "pld", "medusa", "loop", "stored", "vs")
 DEFAULT_METHODS = ("plain", "pld", "medusa")
 # loop: medusa_lite's decoding loop with the root alone (tree []), no speculation. Opt-in reference: how
 # much of medusa_lite's speedup over plain ``generate`` is the loop itself rather than the tree.
 # stored: medusa_lite with the heads' stored tree instead of the tree fitted to this machine (opt-in reference)
+# vs: medusa_lite with the second drafter, --vs-heads (added to the methods by that option)
 LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite", "loop": "no-tree loop",
-          "stored": "stored tree"}
+          "stored": "stored tree", "vs": "medusa_lite (vs-heads)"}
+DRAFTED = ("medusa", "vs")  # methods whose generate calls report acceptance statistics
 
 
 # ------------------------------------------------------------------------------------------ parse
@@ -50,6 +57,8 @@ class BenchSettings:
     target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
                                " (default: the bundled default, else fresh heads)")
+    vs_heads: str | None = option(None, "a second drafter (directory, bundled name or Hub repo id) on the same "
+                                        "target, run as method vs beside medusa and paired with it per question")
     tree: str | None = option(None, "tree JSON file or a shipped tree name (default: the tree fitted to this machine)")
     fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
     dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")
@@ -71,6 +80,10 @@ class BenchSettings:
             raise ValueError(f"methods: unknown {bad}; choose from {','.join(METHODS)}")
         if "plain" not in self.methods:  # the reference every speedup and exact-match is measured against
             self.methods = Names(("plain", *self.methods))
+        if self.vs_heads and "vs" not in self.methods:
+            self.methods = Names((*self.methods, "vs"))
+        if "vs" in self.methods and not self.vs_heads:
+            raise ValueError("method vs runs the drafter given by --vs-heads; none was given")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
 
@@ -103,7 +116,7 @@ class ForwardCounter:
         self.calls += 1
 
 
-def make_runners(model: MedusaModel, gen: dict, pld_tokens: int) -> dict:
+def make_runners(model: MedusaModel, gen: dict, pld_tokens: int, vs_model: MedusaModel | None = None) -> dict:
     """method -> fn(input_ids) -> output ids [1, L + n]."""
     target = model.base_model
 
@@ -122,13 +135,17 @@ def make_runners(model: MedusaModel, gen: dict, pld_tokens: int) -> dict:
     def stored(ids):
         return model.generate(ids, fit=False, **gen)
 
-    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored}
+    def vs(ids):
+        return vs_model.generate(ids, **gen)
+
+    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs}
 
 
 # -------------------------------------------------------------------------------------------- run
-def run_question(runners: dict, methods: list[str], model: MedusaModel, counter: ForwardCounter, ids, seed: int,
-                 order_shift: int) -> dict:
-    """Run every method on one prompt, in an order rotated by ``order_shift``. -> {method: record}."""
+def run_question(runners: dict, methods: list[str], drafters: dict[str, MedusaModel], counter: ForwardCounter, ids,
+                 seed: int, order_shift: int) -> dict:
+    """Run every method on one prompt, in an order rotated by ``order_shift``. -> {method: record}.
+    ``drafters``: method -> the MedusaModel whose ``last_stats`` that method's record takes."""
     order = methods[order_shift % len(methods):] + methods[:order_shift % len(methods)]
     records = {}
     for method in order:
@@ -140,8 +157,8 @@ def run_question(runners: dict, methods: list[str], model: MedusaModel, counter:
         new = out[0, ids.shape[1]:].tolist()
         rec = {"new_tokens": len(new), "seconds": seconds, "tokens_per_second": len(new) / seconds,
                "target_forwards": counter.calls - calls, "tokens": new}
-        if method == "medusa":
-            stats = model.last_stats
+        if method in drafters:
+            stats = drafters[method].last_stats
             rec.update(accepted_per_depth=list(stats.accepted_per_depth), verify_steps=stats.verify_steps,
                        target_time=stats.target_time, overhead_share=stats.overhead_share, fitted=stats.fitted)
         records[method] = rec
@@ -172,7 +189,7 @@ def summarize(rows: list[dict], methods: list[str], greedy: bool) -> dict:
         if greedy and m != "plain":
             same = [r["methods"][m]["tokens"] == r["methods"]["plain"]["tokens"] for r in rows]
             s["exact_match"] = sum(same) / len(same) if same else None
-        if m == "medusa":
+        if m in DRAFTED:
             steps = sum(x["verify_steps"] for x in recs)
             depth = max((len(x["accepted_per_depth"]) for x in recs), default=0)
             per_depth = [sum(x["accepted_per_depth"][d] for x in recs if d < len(x["accepted_per_depth"]))
@@ -211,7 +228,7 @@ def mismatches(row: dict, methods: list[str], target, ids: torch.Tensor) -> list
     return found
 
 
-def fit_summary(fit, rows: list[dict]) -> dict:
+def fit_summary(fit, rows: list[dict], method: str = "medusa") -> dict:
     """The fit (machine, tree per context bucket, predicted tok/s) with medusa_lite's realized tok/s in its
     speculative steps per bucket, and how often each tree was used (the guard may move off the fitted one)."""
     summary = fit.summary()
@@ -219,7 +236,7 @@ def fit_summary(fit, rows: list[dict]) -> dict:
     seconds = [0.0] * len(fit.ladders)
     steps: dict[str, int] = {}
     for r in rows:
-        fitted = r["methods"].get("medusa", {}).get("fitted")
+        fitted = r["methods"].get(method, {}).get("fitted")
         if not fitted:
             continue
         for b, (t, s) in enumerate(fitted.get("realized", [])):
@@ -269,6 +286,9 @@ def markdown(report: dict) -> str:
         lines += ["", "steps per tree (the guard moves off the fitted tree when it does not pay): "
                   + "; ".join(f"`{t}` {n / total:.0%}" for t, n in sorted(fit["steps_by_tree"].items(),
                                                                          key=lambda kv: -kv[1]))]
+    if report.get("paired"):
+        lines += ["", "the two drafters paired question by question (each one's speedup over plain generate):", "",
+                  paired_markdown(report["paired"], (cfg["heads"], cfg["vs_heads"]))]
     if "medusa" in methods:
         depth = max(len(s["medusa"]["acceptance_per_depth"]) for s in report["summary"].values())
         lines += ["", "medusa_lite acceptance per depth (share of verify steps that accepted at least d drafted tokens):",
@@ -345,9 +365,10 @@ def save(report: dict, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- main
-def run_all(args: BenchSettings, model, tokenizer, questions, runners, counter) -> tuple[list, list, float]:
+def run_all(args: BenchSettings, drafters: dict, tokenizer, questions, runners, counter) -> tuple[list, list, float]:
     """A warm-up (excluded), then every question with every method: (rows, greedy mismatches, wall seconds)."""
     greedy = args.temperature == 0
+    model = drafters["medusa"]
     warm = chat_prompt(tokenizer, "Hello!").to(model.device)
     for m in args.methods:
         runners[m](warm)
@@ -356,13 +377,25 @@ def run_all(args: BenchSettings, model, tokenizer, questions, runners, counter) 
     bar = tqdm(questions, desc="spec-bench", unit="q")
     for i, q in enumerate(bar):
         ids = chat_prompt(tokenizer, q.prompt).to(model.device)
-        recs = run_question(runners, args.methods, model, counter, ids, seed=args.seed * 100_003 + q.question_id,
+        recs = run_question(runners, args.methods, drafters, counter, ids, seed=args.seed * 100_003 + q.question_id,
                             order_shift=i)
         rows.append({"question_id": q.question_id, "task": q.task, "prompt_tokens": ids.shape[1], "methods": recs})
         if greedy:
             diffs += mismatches(rows[-1], args.methods, model.base_model, ids)  # after timing: not in any wall time
         bar.set_postfix({m: f"{recs[m]['tokens_per_second']:.1f}t/s" for m in args.methods})
     return rows, diffs, time.perf_counter() - start
+
+
+def prepare_drafter(model: MedusaModel, args: BenchSettings, greedy: bool):
+    """Set a drafter's tree (``--tree``: as the model's tree, not generate(tree=...), so drafting proposes enough
+    ranks for it) or fit one to this machine; -> the fit, or None."""
+    if args.tree:
+        model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))
+    model.fit_enabled = args.fit and not args.tree
+    fit = model.fit_hardware(sample=not greedy) if model.fit_enabled else None
+    if fit is not None:
+        print(fit.report())
+    return fit
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -372,26 +405,24 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     greedy = args.temperature == 0
 
-    # build
+    # build: the drafter(s) on one target
     model, tokenizer = load_model(args.target, args.heads, dtype=args.dtype, device=args.device)
-    heads = describe_heads(model)
     target = model.base_model
-    if args.tree:  # set as the model's tree (not generate(tree=...)) so drafting proposes enough ranks for it
-        model.config.tree = tree_json(parse_tree(load_tree(args.tree), model.config.num_heads))
-    model.fit_enabled = args.fit and not args.tree
-    fit = model.fit_hardware(sample=not greedy) if model.fit_enabled else None
-    if fit is not None:
-        print(fit.report())
+    drafters = {"medusa": model}
+    if args.vs_heads:
+        drafters["vs"] = MedusaModel.from_pretrained(target, args.vs_heads)
+    fits = {method: prepare_drafter(m, args, greedy) for method, m in drafters.items()}
+    fit = fits["medusa"]
     choices = model.tree_for(sample=args.temperature > 0)
     questions = load_questions(args.questions, limit=args.limit, tasks=args.tasks)
     if not questions:
         raise SystemExit(f"no questions for tasks {args.tasks} in {args.questions}")
     gen = generation_kwargs(args, tokenizer, target)
-    runners = make_runners(model, gen, args.prompt_lookup_tokens)
+    runners = make_runners(model, gen, args.prompt_lookup_tokens, drafters.get("vs"))
     counter = ForwardCounter(target)
 
     # run: warm-up (excluded), then every question with every method
-    rows, diffs, total = run_all(args, model, tokenizer, questions, runners, counter)
+    rows, diffs, total = run_all(args, drafters, tokenizer, questions, runners, counter)
 
     # save
     summary = {t: summarize([r for r in rows if r["task"] == t], args.methods, greedy)
@@ -399,7 +430,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary["overall"] = summarize(rows, args.methods, greedy)
     report = {
         "config": {
-            "target": args.target or "SmolLM2-135M-Instruct", "heads": heads, "dtype": args.dtype,
+            "target": args.target or "SmolLM2-135M-Instruct", "heads": describe_heads(model),
+            "vs_heads": describe_heads(drafters["vs"]) if "vs" in drafters else None, "dtype": args.dtype,
             "decoding": "greedy" if greedy else f"sampling T={args.temperature}", "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "questions_per_task": args.limit or "all",
             "tasks": args.tasks, "turns": "first turn only", "methods": args.methods, "seed": args.seed,
@@ -407,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
             "tree": "fitted to this machine" if fit else tree_json(choices),
             "tree_nodes": "per context bucket" if fit else tree_nodes(choices),
             "fit": fit_summary(fit, rows) if fit else None,
+            "vs_fit": fit_summary(fits["vs"], rows, "vs") if fits.get("vs") else None,
             "questions_file": str(args.questions), "threads": torch.get_num_threads(),
             "load_average": [round(x, 2) for x in os.getloadavg()],  # other processes skew timings
             "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "device": args.device,
@@ -419,6 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
         "total_wall_time": total,
         "questions": rows,
     }
+    if "vs" in drafters:  # the two drafters paired question by question (B = vs-heads)
+        report["paired"] = compare(report, report, "medusa", resamples=10_000, seed=0, method_b="vs")
     out = Path(args.out)
     save(report, out)
     print(markdown(report))

@@ -59,9 +59,10 @@ def paired(a: dict[int, float], b: dict[int, float], resamples: int, seed: int) 
             "diff": sum(diffs) / n, "ci95": [low, high], "b_wins": sum(d > 0 for d in diffs)}
 
 
-def compare(report_a: dict, report_b: dict, method: str, resamples: int, seed: int) -> dict:
-    """:func:`paired` over every common question, and over those whose outputs are the same in both reports."""
-    a, b = speedups(report_a, method), speedups(report_b, method)
+def compare(report_a: dict, report_b: dict, method: str, resamples: int, seed: int, method_b: str | None = None) -> dict:
+    """:func:`paired` over every common question, and over those whose outputs are the same in both reports.
+    ``method_b``: B's method when it is not A's (two drafters in one ``bench --vs-heads`` report)."""
+    a, b = speedups(report_a, method), speedups(report_b, method_b or method)
     same = {k for k in set(a) & set(b) if a[k][1] == b[k][1]}
     result = {}
     for label, keys in (("all", set(a) & set(b)), ("same_output", same)):

@@ -98,6 +98,34 @@ def test_bench_tree_file_with_more_ranks_than_the_heads_tree(bench, setup):
     assert saved["summary"]["overall"]["medusa"]["exact_match"] == 1.0
 
 
+def test_bench_pairs_a_second_drafter_on_the_same_target(bench, setup):
+    """--vs-heads: a second drafter on the same target, run beside medusa on every question, exact, and paired."""
+    from medusa_lite import MedusaModel
+    from medusa_lite.drafters import MedusaConfig
+    from medusa_lite.targets import load_target
+
+    target, questions, tmp = setup
+    base, _ = load_target(str(target))
+    torch.manual_seed(0)
+    second = MedusaModel(base, MedusaConfig(num_heads=2, base_model=str(target)))
+    for p in second.drafter.parameters():
+        torch.nn.init.normal_(p, std=0.02)  # not zero heads: their proposals differ from the first drafter's
+    second.save_pretrained(tmp / "second")
+    out = tmp / "vs"
+    report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "12",
+                            "--limit", "1", "--tasks", "mt_bench,translation", "--methods", "medusa",
+                            "--vs-heads", str(tmp / "second"), "--out", str(out), "--threads", "1"])
+    assert list(report["config"]["methods"]) == ["plain", "medusa", "vs"]
+    assert report["config"]["vs_heads"] == str(tmp / "second")
+    overall = report["summary"]["overall"]
+    assert overall["vs"]["exact_match"] == 1.0 and len(overall["vs"]["acceptance_per_depth"]) == 2
+    paired = report["paired"]["all"]
+    assert paired["questions"] == 2 and paired["diff"] == pytest.approx(paired["b"] - paired["a"])
+    assert "B faster on" in (out / "results.md").read_text()
+    with pytest.raises(ValueError, match="--vs-heads"):
+        bench["main"](["--target", str(target), "--questions", str(questions), "--methods", "vs"])
+
+
 def test_first_difference(bench):
     diff = bench["first_difference"]
     assert diff([1, 2, 3], [1, 2, 3]) is None
