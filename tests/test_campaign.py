@@ -114,10 +114,16 @@ def test_the_schedule_runs_at_the_speed_of_the_last_run_kept(tmp_path):
 
     base = SimpleNamespace(micro_batch_size=2, grad_accum=2, seq_len=100, warmup_steps=1, data="sharegpt[0:9]",
                            head_type="eagle3")
-    args = SimpleNamespace(minutes=10, output_dir="out", threads=None, extra=())
+    args = SimpleNamespace(minutes=10, output_dir="out", threads=None, extra=("lr=1e-5",), warm_lr=3e-4)
     runs = [{"positions_per_s": 40.0}, {"positions_per_s": 10.0, "kept": False}]  # a discarded larger drafter
     ledger = {"data": [], "eval": None, "runs": runs}
-    assert "max_steps=60" in train_overrides(tmp_path, ledger, args, base)  # 600 s x 40 pos/s / 400 pos a step
+    fresh = train_overrides(tmp_path, ledger, args, base)
+    assert "max_steps=60" in fresh  # 600 s x 40 pos/s / 400 pos a step
+    assert not any(o.startswith("init_heads=") or o == "lr=0.0003" for o in fresh)  # fresh: the config's lr
+    (tmp_path / "eagle3").mkdir()
+    (tmp_path / "eagle3" / "medusa_config.json").write_text("{}")
+    warm = train_overrides(tmp_path, ledger, args, base)
+    assert "lr=0.0003" in warm and warm.index("lr=0.0003") < warm.index("lr=1e-5")  # --extra still wins
 
 
 def test_a_resumed_run_keeps_its_settings_but_takes_this_commands_threads():

@@ -62,7 +62,9 @@ class CampaignSettings:
     batch_size: int = option(32, "distill-data --batch-size")
     # train
     train_config: str = option("smollm2-135m-eagle3", "training config (a shipped name or a YAML path)")
-    extra: Names = option(Names(()), "further train overrides, key=value")
+    warm_lr: float = option(3e-4, "peak learning rate of a run that warm-starts from the committed drafter (the "
+                                  "config's is a fresh drafter's; runs 13/14 side by side: 3e-4 beat 1e-3)")
+    extra: Names = option(Names(()), "further train overrides, key=value (after the campaign's own: they win)")
     output_dir: str = option("runs/campaign/train", "the training run's scratch directory (checkpoints, features)")
 
 
@@ -204,7 +206,7 @@ def train_overrides(root: Path, ledger: dict, args: CampaignSettings, base) -> l
     if ledger["eval"] and ledger["eval"]["records"]:
         out.append(f"eval_data={root / ledger['eval']['file']}")
     if (root / base.head_type / CONFIG_NAME).is_file():
-        out.append(f"init_heads={root / base.head_type}")
+        out += [f"init_heads={root / base.head_type}", f"lr={args.warm_lr}"]
     if args.threads:
         out.append(f"threads={args.threads}")
     return out + list(args.extra)
