@@ -114,8 +114,9 @@ class ForwardCounter:
         self.calls += 1
 
 
-def make_runners(model: MedusaModel, gen: dict, pld_tokens: int, vs_model: MedusaModel | None = None) -> dict:
-    """method -> fn(input_ids) -> output ids [1, L + n]."""
+def make_runners(drafters: dict[str, MedusaModel], gen: dict, pld_tokens: int) -> dict:
+    """method -> fn(input_ids) -> output ids [1, L + n]. ``drafters``: as :func:`build_drafters` makes them."""
+    model = drafters["medusa"]
     target = model.base_model
 
     def plain(ids):
@@ -134,7 +135,7 @@ def make_runners(model: MedusaModel, gen: dict, pld_tokens: int, vs_model: Medus
         return model.generate(ids, fit=False, **gen)
 
     def vs(ids):
-        return vs_model.generate(ids, **gen)
+        return drafters["vs"].generate(ids, **gen)
 
     return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs}
 
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not questions:
         raise SystemExit(f"no questions for tasks {args.tasks} in {args.questions}")
     gen = generation_kwargs(args, tokenizer, target)
-    runners = make_runners(model, gen, args.prompt_lookup_tokens, drafters.get("vs"))
+    runners = make_runners(drafters, gen, args.prompt_lookup_tokens)
     counter = ForwardCounter(target)
 
     # run: warm-up (excluded), then every question with every method
