@@ -1,35 +1,45 @@
-"""Cheaper multi-token verification on CPU: the target's linear layers through prepacked MKL GEMM.
+"""Cheaper multi-token verification on CPU: the target's linear layers through a GEMM made for a few rows.
 
-On a CPU, a verify forward of a few tree tokens is a set of small-M GEMMs (M = tree tokens). MKL's
-ordinary fp32 GEMM pays a packing step for M >= 2 that a one-token GEMV does not (on an AVX2-only CPU
-two tokens cost ~1.6x one through the 49152 x 576 ``lm_head``), so the forward costs far more than
-reading the weights once. With the weights packed once (``torch.ops.mkl._mkl_reorder_linear_weight``),
-MKL's packed GEMM skips that step. A packed copy serves exactly the row count it was packed for, so the weights
-are packed for a few counts (:data:`PACKED_ROWS`) and an input of m rows is zero-padded to the smallest count
->= m (the padding rows' outputs are dropped): on an AVX2 CPU a 2-token verify forward costs ~1.25x one token
-through the 4-row pack, ~1.4x through an 8-row one and ~1.9x through the stock GEMM.
+On a CPU, a verify forward of a few tree tokens is a set of small-M GEMMs (M = tree tokens). The stock fp32
+kernels are far from the cost of reading the weights once: on AVX2 kernels two tokens cost ~1.7x one through
+MKL's GEMM (a packing step a one-token GEMV does not pay), and even the one-token GEMV streams the weights at
+~10 GB/s where the memory gives 25+. Two paths replace them while a verify forward runs:
 
-:class:`PackedLinears` is a context manager: while it is active (verify forwards only, and only for the tree
-sizes where the probe measured it faster), each of the target's fp32 ``nn.Linear`` modules takes the packed path (its
-``forward`` is shadowed by an instance attribute, restored on exit); everything else, and the whole model outside
-the context, is untouched. No modeling code is forked. (A ``TorchFunctionMode`` did the same by intercepting every
-torch call of the forward, ~2,600 per forward of the default model: ~10 ms of Python per verify step.) Each packed copy costs as much memory as the linear weights, so only as many row
-counts are packed as fit in a quarter of the memory available (:func:`packed_rows`). Results differ
-from ``F.linear`` only in summation order (as any two GEMM kernels do), so greedy output stays the
-target's own up to floating-point ties, like every tree forward.
+* :class:`SkinnyLinears` (the default where it builds): our own AVX2 + FMA kernel (``csrc/skinny_linear.cpp``,
+  compiled on first use by ``torch.utils.cpp_extension`` into its folder of extensions; needs a C++ compiler). The weights
+  are packed once into 4-row tiles, one copy for every row count, and read once per call whatever M is: on an AVX2
+  CPU a forward of 2-4 tokens costs about what the stock kernels' one-token forward costs, or less.
+* :class:`PackedLinears`: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, weights packed once per row count of
+  :data:`PACKED_ROWS` by ``_mkl_reorder_linear_weight``; an input of m rows is zero-padded to the smallest count
+  >= m). The fallback where no compiler is found (``MEDUSA_LITE_SKINNY=0`` forces it): a 2-token verify forward
+  costs ~1.25x one token.
+
+Both are context managers: while active (verify forwards only, and only for the tree sizes where the probe
+measured them faster), each eligible fp32 ``nn.Linear`` of the target takes the packed path (its ``forward`` is
+shadowed by an instance attribute, restored on exit); everything else, and the whole model outside the context,
+is untouched. No modeling code is forked. (A ``TorchFunctionMode`` did the same by intercepting every torch call
+of the forward, ~2,600 per forward of the default model: ~10 ms of Python per verify step.) Each packed copy
+costs as much memory as the linear weights, so only as many copies are made as fit in a quarter of the memory
+available (:func:`packed_rows`). Results differ from ``F.linear`` only in summation order (as any two GEMM kernels
+do), so greedy output stays the target's own up to floating-point ties, like every tree forward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
-from functools import partial
+import warnings
+from functools import cache, partial
+from pathlib import Path
 
 import torch
 from torch import nn
 
-PACKED_ROWS = (4, 8, 16, 32)  # row counts packed for (batch-1 trees; batched verify steps of several rows)
+PACKED_ROWS = (4, 8, 16, 32)  # MKL: row counts packed for (batch-1 trees; batched verify steps of several rows)
+SKINNY_ROWS = 32  # the skinny kernel: any row count up to this (its one packed copy serves them all)
 MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
+_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 
 
 def available_memory() -> int | None:
@@ -78,28 +88,36 @@ def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:
     return tuple(sorted(set(counts)))
 
 
-class PackedLinears:
-    """``with PackedLinears(target):`` routes the target's fp32 ``nn.Linear`` calls with 2..``rows`` input rows
-    through MKL's packed GEMM (weights packed once per row count of ``counts``, at construction; ``counts=None``:
-    :func:`packed_rows`). Re-entrant; the modules' own ``forward`` is back on exit."""
+class _PatchedLinears:
+    """``with linears:`` routes the target's eligible fp32 ``nn.Linear`` calls with 2..``rows`` input rows through
+    :meth:`_linear` (weights packed once per module, at construction, by :meth:`_pack`). Re-entrant; the modules'
+    own ``forward`` is back on exit."""
 
-    def __init__(self, target, counts: tuple[int, ...] | int | None = None):
-        if not packing_available(target):
-            raise ValueError("packed linears need fp32 weights on a CPU with MKL")
-        self.counts = row_counts(target, counts)
-        self.rows = self.counts[-1]
+    counts: tuple[int, ...]
+    rows: int
+
+    def __init__(self, target):
         self._depth = 0
-        # module -> (its weight, detached; the weight's version when packed; {row count: packed copy})
-        self._packed: dict[nn.Linear, tuple[torch.Tensor, int, dict[int, torch.Tensor]]] = {}
+        # module -> (its weight, detached; the weight's version when packed; its packed copy or copies)
+        self._packed: dict[nn.Linear, tuple[torch.Tensor, int, object]] = {}
         with torch.no_grad():
             for module in target.modules():
-                if isinstance(module, nn.Linear) and module.weight.dtype == torch.float32:
+                if self._eligible(module):
                     w = module.weight.detach()
-                    self._packed[module] = (w, w._version, {
-                        n: torch.ops.mkl._mkl_reorder_linear_weight(w, n) for n in self.counts})
+                    self._packed[module] = (w, w._version, self._pack(w))
         self._saved: dict[nn.Linear, object] = {}
 
-    def __enter__(self) -> "PackedLinears":
+    def _eligible(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) and module.weight.dtype == torch.float32
+
+    def _pack(self, w: torch.Tensor):
+        raise NotImplementedError
+
+    def _linear(self, x2: torch.Tensor, w: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+        """[M, K] -> [M, N] through the packed copy ``packed`` of ``w``."""
+        raise NotImplementedError
+
+    def __enter__(self):
         if self._depth == 0:
             for module in self._packed:
                 self._saved[module] = module.__dict__.get("forward")  # an instance forward (e.g. a hook's), or None
@@ -118,35 +136,141 @@ class PackedLinears:
             self._saved.clear()
 
     def _forward(self, module: nn.Linear, stock, x: torch.Tensor) -> torch.Tensor:
-        """[..., K] -> [..., N]: the packed GEMM where it applies, else the module's own forward."""
-        w, version, packs = self._packed[module]
+        """[..., K] -> [..., N]: the packed path where it applies, else the module's own forward."""
+        w, version, packed = self._packed[module]
         m = x.numel() // x.shape[-1]
         if (not 1 < m <= self.rows or w._version != version or module.weight.data_ptr() != w.data_ptr()
                 or x.dtype != torch.float32):
             return stock(x)  # one row, too many, or a weight changed (in place or replaced) since it was packed
-        rows = next(n for n in self.counts if n >= m)
-        x2 = x.reshape(m, x.shape[-1])  # [M, K]
-        if m < rows:
-            x2 = torch.cat([x2, x2.new_zeros(rows - m, x2.shape[1])])  # [rows, K]
-        y = torch.ops.mkl._mkl_linear(x2, packs[rows], w, module.bias, rows)[:m]  # [M, N]
+        y = self._linear(x.reshape(m, x.shape[-1]), w, packed, module.bias)  # [M, N]
         return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
 
+class PackedLinears(_PatchedLinears):
+    """MKL's packed GEMM for 2..``rows`` rows: weights packed once per row count of ``counts`` (None:
+    :func:`packed_rows`), an input padded to the smallest count that holds it."""
+
+    def __init__(self, target, counts: tuple[int, ...] | int | None = None):
+        if not packing_available(target):
+            raise ValueError("packed linears need fp32 weights on a CPU with MKL")
+        self.counts = row_counts(target, counts)
+        self.rows = self.counts[-1]
+        super().__init__(target)
+
+    def _pack(self, w: torch.Tensor) -> dict[int, torch.Tensor]:
+        return {n: torch.ops.mkl._mkl_reorder_linear_weight(w, n) for n in self.counts}
+
+    def _linear(self, x2, w, packed, bias):
+        m = x2.shape[0]
+        rows = next(n for n in self.counts if n >= m)
+        if m < rows:
+            x2 = torch.cat([x2, x2.new_zeros(rows - m, x2.shape[1])])  # [rows, K]
+        return torch.ops.mkl._mkl_linear(x2, packed[rows], w, bias, rows)[:m]  # [M, N]
+
+
+class SkinnyLinears(_PatchedLinears):
+    """Our AVX2 skinny GEMM for 2..:data:`SKINNY_ROWS` rows (:func:`skinny_kernel`): one packed copy of each
+    eligible weight (in_features a multiple of 8) serves every row count."""
+
+    counts = (SKINNY_ROWS,)
+    rows = SKINNY_ROWS
+
+    def __init__(self, target, counts=None):  # counts: accepted for the shared signature; one copy serves all
+        self._kernel = skinny_kernel()
+        if self._kernel is None or not skinny_available(target):
+            raise ValueError("the skinny kernel needs fp32 weights on an AVX2 CPU and a C++ compiler")
+        super().__init__(target)
+
+    def _eligible(self, module: nn.Module) -> bool:
+        return super()._eligible(module) and module.in_features % 8 == 0 and module.weight.device.type == "cpu"
+
+    def _pack(self, w: torch.Tensor) -> torch.Tensor:
+        return self._kernel.pack_weight(w.contiguous())  # [ceil(N/4), K/8, 4, 8]
+
+    def _linear(self, x2, w, packed, bias):
+        return self._kernel.skinny_linear(x2, packed, w.shape[0], bias)  # [M, N]
+
+
+@cache
+def skinny_kernel():
+    """The compiled skinny GEMM extension (built once per machine by ``torch.utils.cpp_extension``, loaded once per process),
+    or None where it cannot be built (no compiler, no AVX2 kernels, or ``MEDUSA_LITE_SKINNY=0``)."""
+    if os.environ.get("MEDUSA_LITE_SKINNY", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None
+    from torch.utils import cpp_extension  # heavy: imported only here
+
+    name = f"medusa_lite_skinny_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]}"
+    try:
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))  # $TORCH_EXTENSIONS_DIR/<name>
+    except Exception:  # a private helper of torch's: only used to say so when a build is coming
+        build = None
+    if build is not None and not any(build.glob("*.so")):
+        warnings.warn(f"compiling the skinny verify kernel into {build} (once per machine, ~30 s)")
+    try:
+        with _ninja_on_path():
+            return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O3"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, no Python headers: the MKL path (or stock kernels) instead
+        warnings.warn(f"the skinny verify kernel did not build ({type(e).__name__}: {str(e)[:200]}); "
+                      "falling back to MKL's packed GEMM")
+        return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """The ``ninja`` of the ``ninja`` package on ``PATH`` while a build runs (a venv's scripts are not on ``PATH``
+    unless it is activated)."""
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    except (ImportError, AttributeError):
+        pass
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def skinny_available(target) -> bool:
+    """fp32 weights on a CPU whose kernel class has AVX2, and one packed copy fits :data:`MEMORY_SHARE` of the
+    memory available (whether it compiles: :func:`skinny_kernel`)."""
+    weight = target.get_output_embeddings().weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return False
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    available = available_memory()
+    return available is None or linear_bytes(target) <= MEMORY_SHARE * available
+
+
+def verify_linears(target) -> tuple[type[_PatchedLinears], tuple[int, ...]] | None:
+    """The packed path this machine gives ``target`` and its row counts: the skinny kernel where it builds, else
+    MKL's packed GEMM for as many counts as memory allows, else None (the stock kernels)."""
+    if skinny_available(target) and skinny_kernel() is not None:
+        return SkinnyLinears, SkinnyLinears.counts
+    counts = packed_rows(target) if packing_available(target) else ()
+    return (PackedLinears, counts) if counts else None
+
+
 class VerifyKernels:
-    """Which verify forwards take the packed path: those of ``first`` .. ``rows`` tree tokens (where the probe
-    measured it faster than the stock kernels). The weights are packed on first use (a one-time cost per
-    process), or ``packed`` is reused (the probe's own)."""
+    """Which verify forwards take the packed path (``kind``: :class:`SkinnyLinears` or :class:`PackedLinears`):
+    those of ``first`` .. ``rows`` tree tokens (where the probe measured it faster than the stock kernels). The
+    weights are packed on first use (a one-time cost per process), or ``packed`` is reused (the probe's own)."""
 
     def __init__(self, target, first: int, counts: tuple[int, ...] | int | None = None,
-                 packed: PackedLinears | None = None):
+                 packed: _PatchedLinears | None = None, kind: type[_PatchedLinears] = PackedLinears):
         self.target, self.first, self._packed = target, first, packed
-        self.counts = packed.counts if packed is not None else row_counts(target, counts)
+        self.kind = type(packed) if packed is not None else kind
+        self.counts = packed.counts if packed is not None else (
+            kind.counts if kind is SkinnyLinears else row_counts(target, counts))
         self.rows = self.counts[-1]
 
     def prepare(self) -> None:
         """Pack now (once), so that no decoding step pays for it."""
         if self._packed is None:
-            self._packed = PackedLinears(self.target, self.counts)
+            self._packed = self.kind(self.target, self.counts)
 
     def context(self, tokens: int):
         """A context manager for a verify forward of ``tokens`` tree tokens."""

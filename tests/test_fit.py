@@ -329,14 +329,82 @@ def test_packed_row_counts_fit_in_a_share_of_the_available_memory():
     assert packed_rows(target, available=int(0.5 * each / MEMORY_SHARE)) == ()  # not even one copy: no packing
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # nn.Linear layers (GPT-2's Conv1D is never packed)
-def test_greedy_equals_plain_with_packed_verify(arch):
-    from medusa_lite.kernels import VerifyKernels
+def _skinny():
+    from medusa_lite.kernels import skinny_kernel
+    kernel = skinny_kernel()
+    if kernel is None:
+        pytest.skip("the skinny kernel does not build here (no C++ compiler, or no AVX2 kernels)")
+    return kernel
 
+
+def test_skinny_kernel_matches_linear_for_any_row_count_width_and_thread_count():
+    kernel = _skinny()
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for n, k in ((1537, 24), (3, 8), (64, 200)):  # output widths that are not a multiple of the 4-row tile
+                w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+                packed = kernel.pack_weight(w)
+                for m in (1, 2, 3, 5, 8, 33):
+                    x = torch.randn(2 * m, k, generator=gen)[::2]  # not contiguous
+                    for bias in (None, b):
+                        ref = torch.nn.functional.linear(x, w, bias)
+                        assert torch.allclose(kernel.skinny_linear(x, packed, n, bias), ref, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernel.pack_weight(torch.randn(4, 12))
+
+
+def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():
+    from medusa_lite.kernels import SKINNY_ROWS, SkinnyLinears
+
+    _skinny()
+    target = tiny_model("qwen2")  # q/k/v projections with a bias
+    skinny = SkinnyLinears(target)
+    layer = target.model.layers[0].self_attn.q_proj
+    assert layer.bias is not None and layer in skinny._packed
+    for m in (1, 2, 3, 7, SKINNY_ROWS, SKINNY_ROWS + 1):
+        x = torch.randn(1, m, layer.in_features)
+        with skinny:
+            y = layer(x)
+        ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(y, ref) == (m == 1 or m > SKINNY_ROWS)  # outside 2..rows the stock kernel runs
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # changed in place after packing: the stale packed copy is not used
+    x = torch.randn(1, 3, layer.in_features)
+    with skinny:
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_the_skinny_kernel_is_preferred_and_mkl_packing_is_the_fallback(monkeypatch):
+    from medusa_lite.kernels import PackedLinears, SkinnyLinears, skinny_kernel, verify_linears
+
+    _skinny()
+    target = tiny_model("llama")
+    assert verify_linears(target)[0] is SkinnyLinears
+    monkeypatch.setenv("MEDUSA_LITE_SKINNY", "0")
+    skinny_kernel.cache_clear()
+    try:
+        assert skinny_kernel() is None and verify_linears(target)[0] is PackedLinears
+    finally:
+        skinny_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["mkl", "skinny"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # nn.Linear layers (GPT-2's Conv1D is never packed)
+def test_greedy_equals_plain_with_packed_verify(arch, kind):
+    from medusa_lite.kernels import PackedLinears, SkinnyLinears, VerifyKernels
+
+    if kind == "skinny":
+        _skinny()
     target = tiny_model(arch)
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
-    kernels = VerifyKernels(target, first=2, counts=(4, 8))
+    kernels = VerifyKernels(target, first=2, counts=(4, 8), kind=SkinnyLinears if kind == "skinny" else PackedLinears)
     model.use_fit(restless_fit(ADAPTIVE_TREES), guard=CyclingGuard, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):

@@ -63,9 +63,10 @@ def test_the_installed_copy_is_imported_with_its_data(installed):
     code = ("import json, medusa_lite, medusa_lite.train.train as t, medusa_lite.serve.server as s;"
             "from medusa_lite.specbench import DEFAULT_QUESTIONS;"
             "from medusa_lite.paths import CONFIGS_DIR, PRETRAINED_ROOT, bundled_heads;"
+            "from medusa_lite.kernels import _SOURCE;"
             "print(json.dumps([medusa_lite.__file__, t.__file__, s.__file__, str(DEFAULT_QUESTIONS),"
             " sorted(p.name for p in CONFIGS_DIR.rglob('*.*')),"
-            " [str(PRETRAINED_ROOT / n / 'heads.safetensors') for n in bundled_heads()]]))")
+            " [str(PRETRAINED_ROOT / n / 'heads.safetensors') for n in bundled_heads()], str(_SOURCE)]))")
     files = json.loads(_run([bin_dir / "python", "-c", code], cwd=work))
     venv_root = str(bin_dir.parent)
     assert all(f.startswith(venv_root) for f in files[:4]), files  # not the checkout
@@ -74,6 +75,7 @@ def test_the_installed_copy_is_imported_with_its_data(installed):
     bundles = files[5]  # every bundled drafter ships in the wheel, the default first
     assert [Path(b).parent.name for b in bundles] == ["smollm2-135m-instruct", "smollm2-135m-instruct-hydra"]
     assert all(b.startswith(venv_root) and Path(b).is_file() for b in bundles), bundles
+    assert files[6].startswith(venv_root) and Path(files[6]).is_file()  # the skinny kernel's source, compiled on use
 
 
 @pytest.mark.slow

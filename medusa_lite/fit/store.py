@@ -16,27 +16,29 @@ from pathlib import Path
 
 from .._hf import output_weight
 from .._version import __version__
-from ..kernels import PackedLinears, VerifyKernels, packed_rows, packing_available
+from ..kernels import VerifyKernels, verify_linears
 from ..machine import machine_fingerprint
 from ..paths import cache_dir
 from ..tree import tree_key
 from .probe import DEFAULT_BUDGET_S, one_token_seconds, probe
 
-FIT_FORMAT = "medusa_lite.fit/6"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
+FIT_FORMAT = "medusa_lite.fit/7"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
 # 5: the packed path packs for 4, 8, 16 and 32 rows (was 8 alone), so its latency table changed;
-# 6: the packed path patches the linear modules (no per-op Python dispatch): ~8 ms less per packed forward
+# 6: the packed path patches the linear modules (no per-op Python dispatch): ~8 ms less per packed forward;
+# 7: the packed path is the skinny kernel where it builds (the key names which path was timed)
 
 
 def cache_path(key: str) -> Path:
     return cache_dir() / "fit" / f"{key[:40]}.json"
 
 
-def fit_key(fingerprint: dict, target_id: str, heads_id: str, candidates: list, sample: bool) -> str:
+def fit_key(fingerprint: dict, target_id: str, heads_id: str, candidates: list, sample: bool,
+            kernel: str = "") -> str:
     """The cache key: machine, target, heads (their drafting is timed), the candidate trees, greedy or sampled
-    drafting, the format and the library version."""
+    drafting, the packed verify path timed (``kernel``), the format and the library version."""
     blob = json.dumps({"format": FIT_FORMAT, "version": __version__, "machine": fingerprint, "target": target_id,
-                       "heads": heads_id, "candidates": sorted(tree_key(t) for t in candidates), "sample": sample},
-                      sort_keys=True)
+                       "heads": heads_id, "candidates": sorted(tree_key(t) for t in candidates), "sample": sample,
+                       "kernel": kernel}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -129,24 +131,27 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
                   budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None):
     """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
     candidates, else a fresh probe (written to the cache). The kernels are the packed linears
-    (:mod:`medusa_lite.kernels`) where they were measured faster, packed once per process."""
+    (:mod:`medusa_lite.kernels`: the skinny kernel, else MKL's packed GEMM) where they were measured faster, packed once per process."""
     weight = output_weight(model.base_model)
     fingerprint = machine_fingerprint(weight.device, weight.dtype)
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
+    linears = verify_linears(model.base_model)  # (the packed path's class, its row counts); memory read once
+    kind, counts = linears if linears is not None else (None, ())
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
-                  json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None)
-    counts = packed_rows(model.base_model) if packing_available(model.base_model) else ()  # memory read once
+                  json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None,
+                  f"{kind.__name__}{list(counts)}" if kind is not None else "")
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
         hit = measured is not None and not stale(model, measured)
         measured = measured if hit else None
     if measured is None:
-        packed = PackedLinears(model.base_model, counts) if counts else None
+        packed = kind(model.base_model, counts) if kind is not None else None
         measured = probe(model, candidates, budget_s=budget_s, progress=progress,
                          max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler)
         write_cached(key, fingerprint, measured)
         measured = check_measured(json.loads(json.dumps(measured)))
     if not measured["packed_from"] or not counts:
         return fingerprint, measured, hit, None
-    return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], counts, packed=packed)
+    return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], counts, packed=packed,
+                                                     kind=kind)
