@@ -373,11 +373,36 @@ def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():
         ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
         assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
         assert torch.equal(y, ref) == (m == 1 or m > SKINNY_ROWS)  # outside 2..rows the stock kernel runs
+    x = torch.randn(1, 3, layer.in_features, requires_grad=True)
+    with skinny, torch.enable_grad():  # a forward that needs gradients (training) takes the stock kernel
+        y = layer(x)
+    assert y.requires_grad and torch.equal(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    x = x.detach()
     with torch.no_grad():
         layer.weight.mul_(2.0)  # changed in place after packing: the stale packed copy is not used
-    x = torch.randn(1, 3, layer.in_features)
     with skinny:
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_the_drafters_own_linears_take_the_skinny_kernel_for_one_row_too():
+    from medusa_lite.kernels import drafting_linears
+
+    _skinny()
+    target = tiny_model("llama")
+    model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="eagle3"))
+    linears = drafting_linears(model.drafter)
+    assert linears.min_rows == 1 and model.drafter.fc in linears._packed
+    assert not any(m in linears._packed for m in target.modules())  # the target's layers are not the drafter's
+    x = torch.randn(1, model.drafter.fc.in_features)
+    with torch.no_grad():
+        ref = model.drafter.fc(x)
+        with linears:
+            y = model.drafter.fc(x)
+    assert not torch.equal(y, ref) and torch.allclose(y, ref, atol=1e-5)  # one row through the kernel
+    model.drafter.use_linears(linears)
+    assert model.drafter.linears() is linears
+    model.to(torch.bfloat16)
+    assert drafting_linears(model.drafter) is None  # bf16 drafters keep the stock kernels
 
 
 def test_the_skinny_kernel_is_preferred_and_mkl_packing_is_the_fallback(monkeypatch):
@@ -397,7 +422,7 @@ def test_the_skinny_kernel_is_preferred_and_mkl_packing_is_the_fallback(monkeypa
 @pytest.mark.parametrize("kind", ["mkl", "skinny"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # nn.Linear layers (GPT-2's Conv1D is never packed)
 def test_greedy_equals_plain_with_packed_verify(arch, kind):
-    from medusa_lite.kernels import PackedLinears, SkinnyLinears, VerifyKernels
+    from medusa_lite.kernels import PackedLinears, SkinnyLinears, VerifyKernels, drafting_linears
 
     if kind == "skinny":
         _skinny()
@@ -405,6 +430,8 @@ def test_greedy_equals_plain_with_packed_verify(arch, kind):
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
     kernels = VerifyKernels(target, first=2, counts=(4, 8), kind=SkinnyLinears if kind == "skinny" else PackedLinears)
+    if kind == "skinny":  # drafting through the kernel too, as a fitted model on an AVX2 CPU drafts
+        model.drafter.use_linears(drafting_linears(model.drafter))
     model.use_fit(restless_fit(ADAPTIVE_TREES), guard=CyclingGuard, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):

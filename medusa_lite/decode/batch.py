@@ -144,7 +144,8 @@ class SpeculativeBatch:
             index = torch.tensor(staying, device=features.device)
             accepted = [results[b][0] for b in staying]
             self._keep_rows(staying)
-            self.drafter.commit(self.state, accepted, features.index_select(0, index), [s.ids() for s in self.rows])
+            with self.drafter.linears():
+                self.drafter.commit(self.state, accepted, features.index_select(0, index), [s.ids() for s in self.rows])
             self._compact()
         else:
             self._keep_rows([])
@@ -171,7 +172,8 @@ class SpeculativeBatch:
         if self.limit is not None:
             max_depth = min(max_depth, self.limit - seq.cache_len - 1)
         plan = seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan
-        (draft,) = plan(self.state.rows([b]), max_depth)
+        with self.drafter.linears():
+            (draft,) = plan(self.state.rows([b]), max_depth)
         if self.max_step_tokens is not None:
             draft = first_nodes(draft, max(1, self.max_step_tokens // batch))
         return draft

@@ -19,6 +19,7 @@ never owned: they are neither trained nor saved with the drafter.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -129,6 +130,15 @@ class Drafter(nn.Module):
     @property
     def target_embed(self) -> nn.Module:
         return self.__dict__["_target_io"][1]
+
+    def use_linears(self, linears) -> None:
+        """Run this drafter's decoding forwards inside ``linears``, a context manager that routes its linear layers
+        through a faster kernel (:func:`medusa_lite.kernels.drafting_linears`; None: the stock kernels)."""
+        self.__dict__["_linears"] = linears
+
+    def linears(self):
+        """The context the callers of :meth:`propose` and :meth:`commit` run them in (see :meth:`use_linears`)."""
+        return self.__dict__.get("_linears") or contextlib.nullcontext()
 
     # ------------------------------------------------------------------ decoding
     def start(self, ids: list[torch.Tensor], hidden: torch.Tensor) -> DraftState:
