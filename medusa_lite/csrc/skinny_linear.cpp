@@ -13,7 +13,7 @@
 namespace {
 
 constexpr int TILE_ROWS = 4;  // output rows per packed tile (4 accumulators per x row)
-constexpr int CHUNK = 2;      // x rows per pass over a tile (8 accumulators + 4 weight registers: no spills)
+constexpr int CHUNK = 3;      // x rows per pass over a tile (12 accumulators + 4 weight registers: the 16 ymm)
 
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -83,7 +83,9 @@ torch::Tensor skinny_linear(const torch::Tensor& x_in, const torch::Tensor& pack
     for (int64_t t = t0; t < t1; ++t) {
       const float* tile_w = wp + t * TILE_ROWS * K;
       for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
-        if (M - m0 >= 2) tile<2>(xp + m0 * K, tile_w, bp, yp + m0 * N, K, N, t * TILE_ROWS);
+        const int64_t rows = std::min<int64_t>(CHUNK, M - m0);
+        if (rows == 3) tile<3>(xp + m0 * K, tile_w, bp, yp + m0 * N, K, N, t * TILE_ROWS);
+        else if (rows == 2) tile<2>(xp + m0 * K, tile_w, bp, yp + m0 * N, K, N, t * TILE_ROWS);
         else tile<1>(xp + m0 * K, tile_w, bp, yp + m0 * N, K, N, t * TILE_ROWS);
       }
     }
