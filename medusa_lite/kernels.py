@@ -271,16 +271,18 @@ def drafting_linears(drafter) -> SkinnyLinears | None:
 
 class VerifyKernels:
     """Which verify forwards take the packed path (``kind``: :class:`SkinnyLinears` or :class:`PackedLinears`):
-    those of ``first`` .. ``rows`` tree tokens (where the probe measured it faster than the stock kernels). The
+    those of ``first`` .. ``last`` tree tokens (where the probe measured it faster than the stock kernels; 0: up to
+    the path's rows). The
     weights are packed on first use (a one-time cost per process), or ``packed`` is reused (the probe's own)."""
 
     def __init__(self, target, first: int, counts: tuple[int, ...] | int | None = None,
-                 packed: _PatchedLinears | None = None, kind: type[_PatchedLinears] = PackedLinears):
+                 packed: _PatchedLinears | None = None, kind: type[_PatchedLinears] = PackedLinears,
+                 last: int = 0):
         self.target, self.first, self._packed = target, first, packed
         self.kind = type(packed) if packed is not None else kind
         self.counts = packed.counts if packed is not None else (
             kind.counts if kind is SkinnyLinears else row_counts(target, counts))
-        self.rows = self.counts[-1]
+        self.rows = min(self.counts[-1], last) if last else self.counts[-1]  # last: the largest size that won
 
     def prepare(self) -> None:
         """Pack now (once), so that no decoding step pays for it."""

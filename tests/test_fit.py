@@ -319,6 +319,18 @@ def test_packed_linears_match_linear():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
+def test_the_packed_path_covers_the_longest_run_of_sizes_where_it_won():
+    from medusa_lite.fit.probe import _Latency
+
+    lat = _Latency.__new__(_Latency)
+    for wins, expected in (({2: True, 3: True, 4: True, 8: True, 16: True, 32: False}, (2, 16)),  # loses at the top
+                           ({2: False, 3: True, 4: True, 8: True}, (3, 8)),
+                           ({2: True, 3: False, 4: True, 8: False}, (2, 2)),  # two runs as long: the smaller
+                           ({2: False, 4: False}, (0, 0))):
+        lat.packed_wins = wins
+        assert lat.packed_range() == expected
+
+
 def test_packed_row_counts_fit_in_a_share_of_the_available_memory():
     from medusa_lite.kernels import MEMORY_SHARE, PACKED_ROWS, linear_bytes, packed_rows
 

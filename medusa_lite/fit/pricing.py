@@ -79,8 +79,8 @@ class HardwareFit:
     buckets: tuple[int, ...] = BUCKETS
     cache_hit: bool = False
     probe_seconds: float = 0.0
-    packed_from: int = 0     # verify forwards of this many tree tokens and more (up to the packed rows) use
-                             # prepacked GEMM (medusa_lite.kernels); 0: the stock kernels throughout
+    packed_from: int = 0     # verify forwards of packed_from .. packed_to tree tokens use the packed path
+    packed_to: int = 0       # (medusa_lite.kernels); packed_from 0: the stock kernels throughout
     measured: dict = field(default_factory=dict)  # the probe's latency, draft and overhead (to price batches)
     candidates: list = field(default_factory=list)  # the candidates the ladders were fitted from
     _batch_ladders: dict = field(default_factory=dict, repr=False, compare=False)
@@ -122,13 +122,15 @@ class HardwareFit:
                          "predicted_plain_tokens_per_second": plain.tokens_per_second,
                          "ladder": [r.tree for r in ladder]})
         return {"fingerprint": self.fingerprint, "cache_hit": self.cache_hit, "probe_seconds": self.probe_seconds,
-                "packed_verify_from_tokens": self.packed_from, "buckets": rows}
+                "packed_verify_from_tokens": self.packed_from, "packed_verify_to_tokens": self.packed_to,
+                "buckets": rows}
 
     def report(self) -> str:
         """The machine and, per context bucket, the fitted tree and its predicted speed (for logs)."""
         lines = [f"machine: {describe(self.fingerprint)}; "
                  + ("fit read from the cache" if self.cache_hit else f"probed in {self.probe_seconds:.1f} s")
-                 + (f"; packed GEMM for verify forwards of {self.packed_from}+ tokens" if self.packed_from else "")]
+                 + (f"; packed GEMM for verify forwards of {self.packed_from}-{self.packed_to} tokens"
+                    if self.packed_from else "")]
         for row in self.summary()["buckets"]:
             lines.append(f"  context {row['context']:>9s}: tree {json.dumps(row['tree'])} -> predicted "
                          f"{row['predicted_tokens_per_second']:.1f} tok/s (plain decoding "

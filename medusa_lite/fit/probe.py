@@ -84,23 +84,27 @@ class _Latency:
             self.packed_wins[n] = fast < seconds
         return seconds
 
-    def packed_from(self) -> int:
-        """The smallest size from which the packed path won at every larger size it covers (0: never)."""
-        packed_from = 0
-        for n in sorted(self.packed_wins, reverse=True):
-            if not self.packed_wins[n]:
-                break
-            packed_from = n
-        return packed_from
+    def packed_range(self) -> tuple[int, int]:
+        """(first, last): the longest run of measured sizes at each of which the packed path won (the smaller run
+        of two as long); (0, 0): it never won."""
+        runs, run = [], []
+        for n in sorted(self.packed_wins):
+            run = run + [n] if self.packed_wins[n] else []
+            if run:
+                runs.append((run[0], run[-1], len(run)))
+        if not runs:
+            return 0, 0
+        first, last, _ = max(runs, key=lambda r: (r[2], -r[0]))
+        return first, last
 
-    def result(self) -> tuple[dict[int, dict[int, float]], int]:
-        """(latency of the path each size will take, packed_from)."""
-        packed_from = self.packed_from()
+    def result(self) -> tuple[dict[int, dict[int, float]], int, int]:
+        """(latency of the path each size will take, packed_from, packed_to)."""
+        first, last = self.packed_range()
         for cache_len, table in self.table.items():
             for n, seconds in self.fast.get(cache_len, {}).items():
-                if packed_from and packed_from <= n:
+                if first and first <= n <= last:
                     table[n] = seconds
-        return self.table, packed_from
+        return self.table, first, last
 
 
 def filled_cache(target, prompt: torch.Tensor, cache_len: int, gen: torch.Generator):
@@ -165,10 +169,10 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     timed repeats each (the faster kept), up to the largest candidate; it stops growing where a forward
     already costs more than ``max_tokens_per_step`` single-token forwards (no tree can pay beyond), and
     when ``budget_s`` is spent. With ``packed`` (:class:`medusa_lite.kernels.PackedLinears`) the sizes it
-    covers are timed through it too; ``"packed_from"`` is then the smallest size from which it was faster
-    at every larger size it covers (0: never), and the latency table holds the faster of the two.
+    covers are timed through it too; ``"packed_from"`` .. ``"packed_to"`` is then the longest run of sizes at
+    each of which it was faster (0: never), and the latency table holds the path each size will take.
     Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "overhead": s, "seconds": s,
-    "packed_from": n, "phases": {name: s}}``. ``sampler``: drafting is timed with it (sampled drafts), as
+    "packed_from": n, "packed_to": n, "phases": {name: s}}``. ``sampler``: drafting is timed with it (sampled drafts), as
     decoding with sampling drafts.
     """
     from tqdm.auto import tqdm
@@ -195,9 +199,9 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     bar.update(1)
     bar.close()
     phases["drafting"] = time.perf_counter() - start - phases["overhead"] - phases["latency"]
-    latency, packed_from = lat.result()
+    latency, packed_from, packed_to = lat.result()
     return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start,
-            "packed_from": packed_from, "phases": phases}
+            "packed_from": packed_from, "packed_to": packed_to, "phases": phases}
 
 
 @torch.no_grad()

@@ -77,8 +77,8 @@ class FitSession:
         ladders = fit_trees(candidates, measured["latency"], measured["draft"], measured["overhead"], buckets)
         if kernels is not None:
             kernels.prepare()  # pack the weights now: no decoding step (nor the guard's timing) pays for it
-        fit = HardwareFit(fingerprint, ladders, buckets, hit, measured["seconds"], measured["packed_from"], measured,
-                          candidates)
+        fit = HardwareFit(fingerprint, ladders, buckets, hit, measured["seconds"], measured["packed_from"],
+                          measured["packed_to"], measured, candidates)
         self.use(fit, sample, kernels=kernels)
         return fit
 

@@ -22,11 +22,12 @@ from ..paths import cache_dir
 from ..tree import tree_key
 from .probe import DEFAULT_BUDGET_S, one_token_seconds, probe
 
-FIT_FORMAT = "medusa_lite.fit/8"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
+FIT_FORMAT = "medusa_lite.fit/9"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
 # 5: the packed path packs for 4, 8, 16 and 32 rows (was 8 alone), so its latency table changed;
 # 6: the packed path patches the linear modules (no per-op Python dispatch): ~8 ms less per packed forward;
 # 7: the packed path is the skinny kernel where it builds (the key names which path was timed);
-# 8: the drafter's own linears run through the skinny kernel too, so drafting is timed through it
+# 8: the drafter's own linears run through the skinny kernel too, so drafting is timed through it;
+# 9: the packed path covers the longest run of sizes where it won ("packed_to"), not only a run up to the top
 
 
 def cache_path(key: str) -> Path:
@@ -60,12 +61,13 @@ def check_measured(measured: dict) -> dict:
         raise ValueError("latency table without a single-token forward")
     if any(s <= 0 for t in latency.values() for s in t.values()):
         raise ValueError("a forward cannot take no time")
-    packed_from = measured.get("packed_from", 0)
-    if not isinstance(packed_from, int) or packed_from < 0:
-        raise ValueError(f"impossible packed_from {packed_from!r}")
+    packed_from, packed_to = measured.get("packed_from", 0), measured.get("packed_to", 0)
+    if (not isinstance(packed_from, int) or not isinstance(packed_to, int) or packed_from < 0
+            or (packed_from and packed_to < packed_from)):
+        raise ValueError(f"impossible packed range {packed_from!r}..{packed_to!r}")
     return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
             "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0)),
-            "packed_from": packed_from,
+            "packed_from": packed_from, "packed_to": packed_to,
             "phases": {str(k): seconds(v) for k, v in measured.get("phases", {}).items()}}
 
 
@@ -155,4 +157,4 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     if not measured["packed_from"] or not counts:
         return fingerprint, measured, hit, None
     return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], counts, packed=packed,
-                                                     kind=kind)
+                                                     kind=kind, last=measured["packed_to"])
