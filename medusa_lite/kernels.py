@@ -171,13 +171,14 @@ class PackedLinears(_PatchedLinears):
 
 
 class SkinnyLinears(_PatchedLinears):
-    """Our AVX2 skinny GEMM for 2..:data:`SKINNY_ROWS` rows (:func:`skinny_kernel`): one packed copy of each
-    eligible weight (in_features a multiple of 8) serves every row count."""
+    """Our AVX2 skinny GEMM for ``min_rows``..:data:`SKINNY_ROWS` rows (:func:`skinny_kernel`): one packed copy of
+    each eligible weight (in_features a multiple of 8) serves every row count, one row included (a one-token
+    forward streams the weights ~2x faster than the stock GEMV on an AVX2 CPU)."""
 
     counts = (SKINNY_ROWS,)
     rows = SKINNY_ROWS
 
-    def __init__(self, target, counts=None, *, min_rows: int = 2):  # counts: the shared signature; one copy serves all
+    def __init__(self, target, counts=None, *, min_rows: int = 1):  # counts: the shared signature; one copy serves all
         self._kernel = skinny_kernel()
         if self._kernel is None:
             raise ValueError("the skinny kernel needs an AVX2 CPU and a C++ compiler")

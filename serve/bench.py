@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_lite import MedusaModel
+from medusa_lite.kernels import SkinnyLinears
 from medusa_lite.serve.bench_report import markdown, save
 from medusa_lite.serve.compare import compare
 from medusa_lite.settings import Names, SettingsParser, option
@@ -36,7 +37,7 @@ from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_qu
 from medusa_lite.targets import describe_heads, load_model
 from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
 
-METHODS = ("plain", "pld", "medusa", "loop", "stored", "vs")
+METHODS = ("plain", "pld", "medusa", "loop", "stored", "vs", "kernel")
 DEFAULT_METHODS = ("plain", "pld", "medusa")
 # loop: medusa_lite's decoding loop with the root alone (tree []), no speculation. Opt-in reference: how
 # much of medusa_lite's speedup over plain ``generate`` is the loop itself rather than the tree.
@@ -66,7 +67,9 @@ class BenchSettings:
     tasks: Names = option(Names(TASKS), "Spec-Bench tasks")
     temperature: float = option(0.0, "0 = greedy (default); e.g. 1.0 to sample")
     methods: Names = option(Names(DEFAULT_METHODS), f"subset of {','.join(METHODS)} (loop: medusa_lite with no "
-                                                    "tree, a reference); plain is always run")
+                                                    "tree, a reference; kernel: plain decoding with the target's "
+                                                    "linears through medusa_lite's skinny kernel, what the kernel "
+                                                    "alone gives); plain is always run")
     prompt_lookup_tokens: int = option(10, "prompt_lookup_num_tokens for pld")
     seed: int = option(0, "sampling seed")
     threads: int | None = option(None, "torch.set_num_threads (default: torch's choice)")
@@ -137,7 +140,15 @@ def make_runners(drafters: dict[str, MedusaModel], gen: dict, pld_tokens: int) -
     def vs(ids):
         return drafters["vs"].generate(ids, **gen)
 
-    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs}
+    fast = None
+
+    def kernel(ids):  # plain decoding with every linear of the target through the skinny kernel, one row included
+        nonlocal fast
+        fast = fast or SkinnyLinears(target)
+        with fast:
+            return target.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+
+    return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs, "kernel": kernel}
 
 
 # -------------------------------------------------------------------------------------------- run

@@ -9,7 +9,7 @@ from pathlib import Path
 from medusa_lite.serve.compare import markdown as paired_markdown
 
 LABELS = {"plain": "plain generate", "pld": "prompt lookup", "medusa": "medusa_lite", "loop": "no-tree loop",
-          "stored": "stored tree", "vs": "medusa_lite (vs-heads)"}
+          "stored": "stored tree", "vs": "medusa_lite (vs-heads)", "kernel": "plain, skinny kernel"}
 
 
 def markdown(report: dict) -> str:

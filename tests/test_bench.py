@@ -85,6 +85,23 @@ def test_bench_no_tree_loop_reference(bench, setup):
     assert "no-tree loop speedup" in (out / "results.md").read_text()
 
 
+def test_bench_kernel_reference_is_plain_decoding_through_the_skinny_kernel(bench, setup):
+    """``kernel``: plain decoding with the target's linears through the skinny kernel (what the kernel alone
+    gives), one token per forward and the same tokens as plain decoding."""
+    from medusa_lite.kernels import skinny_kernel
+
+    if skinny_kernel() is None:
+        pytest.skip("the skinny kernel does not build here")
+    target, questions, tmp = setup
+    out = tmp / "kernel"
+    report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "10",
+                            "--limit", "1", "--tasks", "qa", "--methods", "kernel", "--out", str(out),
+                            "--threads", "1"])
+    overall = report["summary"]["overall"]
+    assert overall["kernel"]["exact_match"] == 1.0 and overall["kernel"]["mean_accepted_tokens"] == 1.0
+    assert "plain, skinny kernel speedup" in (out / "results.md").read_text()
+
+
 def test_bench_tree_file_with_more_ranks_than_the_heads_tree(bench, setup):
     target, questions, tmp = setup
     tree = tmp / "tree.json"

@@ -384,7 +384,9 @@ def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():
             y = layer(x)
         ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
         assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
-        assert torch.equal(y, ref) == (m == 1 or m > SKINNY_ROWS)  # outside 2..rows the stock kernel runs
+        assert torch.equal(y, ref) == (m > SKINNY_ROWS)  # beyond its rows the stock kernel runs
+    with SkinnyLinears(target, min_rows=2):  # a one-token forward kept on the stock kernel
+        assert torch.equal(layer(x[:, :1]), torch.nn.functional.linear(x[:, :1], layer.weight, layer.bias))
     x = torch.randn(1, 3, layer.in_features, requires_grad=True)
     with skinny, torch.enable_grad():  # a forward that needs gradients (training) takes the stock kernel
         y = layer(x)
@@ -441,7 +443,8 @@ def test_greedy_equals_plain_with_packed_verify(arch, kind):
     target = tiny_model(arch)
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
-    kernels = VerifyKernels(target, first=2, counts=(4, 8), kind=SkinnyLinears if kind == "skinny" else PackedLinears)
+    kernels = VerifyKernels(target, first=1 if kind == "skinny" else 2, counts=(4, 8),  # skinny: one-token steps too
+                            kind=SkinnyLinears if kind == "skinny" else PackedLinears)
     if kind == "skinny":  # drafting through the kernel too, as a fitted model on an AVX2 CPU drafts
         model.drafter.use_linears(drafting_linears(model.drafter))
     model.use_fit(restless_fit(ADAPTIVE_TREES), guard=CyclingGuard, kernels=kernels)

@@ -78,7 +78,7 @@ class _Latency:
         ids = torch.randint(0, vocab, (n,), generator=self.gen).to(device)
         buffers = build_buffers(chain(n - 1), device)
         seconds = self.timed(cache, ids, buffers, cache_len, None, 3 if first else 2)  # first: + a warm-up
-        if self.packed is not None and 1 < n <= self.packed.rows and self.packed_wins.get(n, True):
+        if self.packed is not None and self.packed.min_rows <= n <= self.packed.rows and self.packed_wins.get(n, True):
             fast = self.fast.setdefault(cache_len, {})[n] = self.timed(cache, ids, buffers, cache_len, self.packed,
                                                                        3 if n == 2 else 2)
             self.packed_wins[n] = fast < seconds
@@ -97,14 +97,16 @@ class _Latency:
         first, last, _ = max(runs, key=lambda r: (r[2], -r[0]))
         return first, last
 
-    def result(self) -> tuple[dict[int, dict[int, float]], int, int]:
-        """(latency of the path each size will take, packed_from, packed_to)."""
+    def result(self) -> tuple[dict[int, dict[int, float]], int, int, dict[int, float]]:
+        """(latency of the path each size will take, packed_from, packed_to, the stock one-token latency per
+        cache length: what :func:`medusa_lite.fit.store.stale` compares a fresh stock forward with)."""
+        stock_one = {cache_len: table[1] for cache_len, table in self.table.items() if 1 in table}
         first, last = self.packed_range()
         for cache_len, table in self.table.items():
             for n, seconds in self.fast.get(cache_len, {}).items():
                 if first and first <= n <= last:
                     table[n] = seconds
-        return self.table, first, last
+        return self.table, first, last, stock_one
 
 
 def filled_cache(target, prompt: torch.Tensor, cache_len: int, gen: torch.Generator):
@@ -172,7 +174,7 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     covers are timed through it too; ``"packed_from"`` .. ``"packed_to"`` is then the longest run of sizes at
     each of which it was faster (0: never), and the latency table holds the path each size will take.
     Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "overhead": s, "seconds": s,
-    "packed_from": n, "packed_to": n, "phases": {name: s}}``. ``sampler``: drafting is timed with it (sampled drafts), as
+    "packed_from": n, "packed_to": n, "stock_one": {cache_len: s}, "phases": {name: s}}``. ``sampler``: drafting is timed with it (sampled drafts), as
     decoding with sampling drafts.
     """
     from tqdm.auto import tqdm
@@ -199,9 +201,9 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     bar.update(1)
     bar.close()
     phases["drafting"] = time.perf_counter() - start - phases["overhead"] - phases["latency"]
-    latency, packed_from, packed_to = lat.result()
+    latency, packed_from, packed_to, stock_one = lat.result()
     return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start,
-            "packed_from": packed_from, "packed_to": packed_to, "phases": phases}
+            "packed_from": packed_from, "packed_to": packed_to, "stock_one": stock_one, "phases": phases}
 
 
 @torch.no_grad()

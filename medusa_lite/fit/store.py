@@ -22,12 +22,13 @@ from ..paths import cache_dir
 from ..tree import tree_key
 from .probe import DEFAULT_BUDGET_S, one_token_seconds, probe
 
-FIT_FORMAT = "medusa_lite.fit/9"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
+FIT_FORMAT = "medusa_lite.fit/10"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
 # 5: the packed path packs for 4, 8, 16 and 32 rows (was 8 alone), so its latency table changed;
 # 6: the packed path patches the linear modules (no per-op Python dispatch): ~8 ms less per packed forward;
 # 7: the packed path is the skinny kernel where it builds (the key names which path was timed);
 # 8: the drafter's own linears run through the skinny kernel too, so drafting is timed through it;
-# 9: the packed path covers the longest run of sizes where it won ("packed_to"), not only a run up to the top
+# 9: the packed path covers the longest run of sizes where it won ("packed_to"), not only a run up to the top;
+# 10: the skinny kernel is timed (and used) for one-token forwards too; "stock_one" keeps the stock one-token time
 
 
 def cache_path(key: str) -> Path:
@@ -68,6 +69,7 @@ def check_measured(measured: dict) -> dict:
     return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
             "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0)),
             "packed_from": packed_from, "packed_to": packed_to,
+            "stock_one": {int(c): seconds(s) for c, s in measured.get("stock_one", {}).items()},
             "phases": {str(k): seconds(v) for k, v in measured.get("phases", {}).items()}}
 
 
@@ -124,9 +126,10 @@ def stale(model, measured: dict) -> bool:
     :data:`STALE_RATIO` either way (a probe taken while other work loaded the CPU, or the load gone since): its
     prices would be off for every tree, so it is measured again. Costs a prefill and four one-token forwards."""
     cache_len, table = min(measured["latency"].items())
-    if table.get(1, 0.0) < STALE_MIN_SECONDS:
+    then = measured.get("stock_one", {}).get(cache_len, table.get(1, 0.0))  # the stock kernel's, as timed now
+    if then < STALE_MIN_SECONDS:
         return False
-    now, then = one_token_seconds(model, cache_len), table[1]
+    now = one_token_seconds(model, cache_len)
     return not 1 / STALE_RATIO <= now / then <= STALE_RATIO
 
 
