@@ -73,33 +73,23 @@ def test_bench_sampling_subset_of_methods(bench, setup):
     assert (out / "speedup.png").is_file()
 
 
-def test_bench_no_tree_loop_reference(bench, setup):
-    """``loop`` (medusa_lite with no tree) decodes one token per forward, exactly as plain greedy does."""
-    target, questions, tmp = setup
-    out = tmp / "loop"
-    report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "10",
-                            "--limit", "1", "--tasks", "qa", "--methods", "medusa,loop", "--out", str(out),
-                            "--threads", "1"])
-    overall = report["summary"]["overall"]
-    assert overall["loop"]["exact_match"] == 1.0 and overall["loop"]["mean_accepted_tokens"] == 1.0
-    assert "no-tree loop speedup" in (out / "results.md").read_text()
-
-
-def test_bench_kernel_reference_is_plain_decoding_through_the_skinny_kernel(bench, setup):
-    """``kernel``: plain decoding with the target's linears through the skinny kernel (what the kernel alone
-    gives), one token per forward and the same tokens as plain decoding."""
+@pytest.mark.parametrize("method,methods,label", [("loop", "medusa,loop", "no-tree loop"),
+                                                   ("kernel", "kernel", "plain, skinny kernel")])
+def test_bench_one_token_references(bench, setup, method, methods, label):
+    """``loop`` (medusa_lite with no tree) and ``kernel`` (plain decoding with the target's linears through the
+    skinny kernel: what the kernel alone gives) decode one token per forward, exactly as plain greedy does."""
     from medusa_lite.kernels import skinny_kernel
 
-    if skinny_kernel() is None:
+    if method == "kernel" and skinny_kernel() is None:
         pytest.skip("the skinny kernel does not build here")
     target, questions, tmp = setup
-    out = tmp / "kernel"
+    out = tmp / method
     report = bench["main"](["--target", str(target), "--questions", str(questions), "--max-new-tokens", "10",
-                            "--limit", "1", "--tasks", "qa", "--methods", "kernel", "--out", str(out),
+                            "--limit", "1", "--tasks", "qa", "--methods", methods, "--out", str(out),
                             "--threads", "1"])
     overall = report["summary"]["overall"]
-    assert overall["kernel"]["exact_match"] == 1.0 and overall["kernel"]["mean_accepted_tokens"] == 1.0
-    assert "plain, skinny kernel speedup" in (out / "results.md").read_text()
+    assert overall[method]["exact_match"] == 1.0 and overall[method]["mean_accepted_tokens"] == 1.0
+    assert f"{label} speedup" in (out / "results.md").read_text()
 
 
 def test_bench_tree_file_with_more_ranks_than_the_heads_tree(bench, setup):
