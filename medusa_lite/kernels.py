@@ -5,7 +5,7 @@ kernels are far from the cost of reading the weights once: on AVX2 kernels two t
 MKL's GEMM (a packing step a one-token GEMV does not pay), and even the one-token GEMV streams the weights at
 ~10 GB/s where the memory gives 25+. Two paths replace them while a verify forward runs:
 
-* :class:`SkinnyLinears` (the default where it builds): our own AVX2 + FMA kernel (``csrc/skinny_linear.cpp``,
+* :class:`SkinnyLinears` (the default where it builds; fp32 and bf16 weights): our own AVX2 + FMA kernel (``csrc/skinny_linear.cpp``,
   compiled on first use by ``torch.utils.cpp_extension`` into its folder of extensions; needs a C++ compiler). The weights
   are packed once into 4-row tiles, one copy for every row count, and read once per call whatever M is: on an AVX2
   CPU a forward of 2-4 tokens costs about what the stock kernels' one-token forward costs, or less.
@@ -15,7 +15,7 @@ MKL's GEMM (a packing step a one-token GEMV does not pay), and even the one-toke
   costs ~1.25x one token.
 
 Both are context managers: while active (verify forwards only, and only for the tree sizes where the probe
-measured them faster), each eligible fp32 ``nn.Linear`` of the target takes the packed path (its ``forward`` is
+measured them faster), each eligible ``nn.Linear`` of the target (fp32; bf16 too for the skinny kernel) takes the packed path (its ``forward`` is
 shadowed by an instance attribute, restored on exit); everything else, and the whole model outside the context,
 is untouched. No modeling code is forked. (A ``TorchFunctionMode`` did the same by intercepting every torch call
 of the forward, ~2,600 per forward of the default model: ~10 ms of Python per verify step.) Each packed copy
@@ -38,6 +38,7 @@ from torch import nn
 
 PACKED_ROWS = (4, 8, 16, 32)  # MKL: row counts packed for (batch-1 trees; batched verify steps of several rows)
 SKINNY_ROWS = 32  # the skinny kernel: any row count up to this (its one packed copy serves them all)
+SKINNY_DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes it takes (bf16: widened to fp32 in registers)
 MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
 _SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 
@@ -89,7 +90,7 @@ def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:
 
 
 class _PatchedLinears:
-    """``with linears:`` routes the target's eligible fp32 ``nn.Linear`` calls with 2..``rows`` input rows through
+    """``with linears:`` routes the target's eligible ``nn.Linear`` calls with ``min_rows``..``rows`` input rows through
     :meth:`_linear` (weights packed once per module, at construction, by :meth:`_pack`). Re-entrant; the modules'
     own ``forward`` is back on exit."""
 
@@ -141,7 +142,7 @@ class _PatchedLinears:
         w, version, packed = self._packed[module]
         m = x.numel() // x.shape[-1]
         if (not self.min_rows <= m <= self.rows or w._version != version or module.weight.data_ptr() != w.data_ptr()
-                or x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+                or x.dtype != w.dtype or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return stock(x)  # too few rows or too many, a weight changed (in place or replaced) since it was packed,
             # or a forward that needs gradients (the packed paths have none)
         y = self._linear(x.reshape(m, x.shape[-1]), w, packed, module.bias)  # [M, N]
@@ -186,7 +187,8 @@ class SkinnyLinears(_PatchedLinears):
         super().__init__(target)
 
     def _eligible(self, module: nn.Module) -> bool:
-        return super()._eligible(module) and module.in_features % 8 == 0 and module.weight.device.type == "cpu"
+        return (isinstance(module, nn.Linear) and module.weight.dtype in SKINNY_DTYPES and module.in_features % 8 == 0
+                and module.weight.device.type == "cpu")
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
         return self._kernel.pack_weight(w.contiguous())  # [ceil(N/4), K/8, 4, 8]
@@ -238,15 +240,16 @@ def _ninja_on_path():
 
 
 def skinny_available(target) -> bool:
-    """fp32 weights on a CPU whose kernel class has AVX2, and one packed copy fits :data:`MEMORY_SHARE` of the
-    memory available (whether it compiles: :func:`skinny_kernel`)."""
+    """fp32 or bf16 weights on a CPU whose kernel class has AVX2, and one packed copy fits :data:`MEMORY_SHARE` of
+    the memory available (whether it compiles: :func:`skinny_kernel`)."""
     weight = target.get_output_embeddings().weight
-    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+    if weight.device.type != "cpu" or weight.dtype not in SKINNY_DTYPES:
         return False
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
     available = available_memory()
-    return available is None or linear_bytes(target) <= MEMORY_SHARE * available
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in target.modules() if isinstance(m, nn.Linear))
+    return available is None or copy <= MEMORY_SHARE * available
 
 
 def verify_linears(target) -> tuple[type[_PatchedLinears], tuple[int, ...]] | None:
@@ -259,12 +262,12 @@ def verify_linears(target) -> tuple[type[_PatchedLinears], tuple[int, ...]] | No
 
 
 def drafting_linears(drafter) -> SkinnyLinears | None:
-    """The drafter's own fp32 linears through the skinny kernel for every row count, one row included (a draft
-    only has to be what the acceptance rule is given, not plain decoding's numbers), where the kernel builds and
-    the drafter is fp32 on a CPU; else None. Its forwards are one-token GEMVs the stock kernels run at half the
+    """The drafter's own linears through the skinny kernel for every row count, one row included (a draft only has
+    to be what the acceptance rule is given, not plain decoding's numbers), where the kernel builds and the drafter
+    is fp32 or bf16 on a CPU; else None. Its forwards are one-token GEMVs the stock kernels run at half the
     memory's speed: on an AVX2 CPU drafting a 5-level tree costs ~26 ms through them."""
     weights = [m.weight for m in drafter.modules() if isinstance(m, nn.Linear)]
-    if (not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights)
+    if (not weights or any(w.device.type != "cpu" or w.dtype not in SKINNY_DTYPES for w in weights)
             or skinny_kernel() is None):
         return None
     return SkinnyLinears(drafter, min_rows=1)

@@ -368,6 +368,13 @@ def test_skinny_kernel_matches_linear_for_any_row_count_width_and_thread_count()
         torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernel.pack_weight(torch.randn(4, 12))
+    w, b = torch.randn(1537, 64, generator=gen).bfloat16(), torch.randn(1537, generator=gen).bfloat16()
+    packed = kernel.pack_weight(w)  # bf16 weights stay bf16 (half the bytes), sums in fp32, output rounded to bf16
+    for m in (1, 4, 33):
+        x = torch.randn(m, 64, generator=gen).bfloat16()
+        y = kernel.skinny_linear(x, packed, 1537, b)
+        ref = torch.nn.functional.linear(x.float(), w.float(), b.float()).bfloat16()
+        assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref.float(), atol=0.05, rtol=0.01)
 
 
 def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():
@@ -415,8 +422,8 @@ def test_the_drafters_own_linears_take_the_skinny_kernel_for_one_row_too():
     assert not torch.equal(y, ref) and torch.allclose(y, ref, atol=1e-5)  # one row through the kernel
     model.drafter.use_linears(linears)
     assert model.drafter.linears() is linears
-    model.to(torch.bfloat16)
-    assert drafting_linears(model.drafter) is None  # bf16 drafters keep the stock kernels
+    assert drafting_linears(model.drafter.to(torch.bfloat16)) is not None  # bf16 weights are packed as bf16
+    assert drafting_linears(model.drafter.to(torch.float16)) is None  # fp16 drafters keep the stock kernels
 
 
 def test_the_skinny_kernel_is_preferred_and_mkl_packing_is_the_fallback(monkeypatch):
