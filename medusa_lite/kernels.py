@@ -1,27 +1,29 @@
-"""Cheaper multi-token verification on CPU: the target's linear layers through a GEMM made for a few rows.
+"""Cheaper forwards on CPU: the target's (and the drafter's) linear layers through a GEMM made for a few rows.
 
-On a CPU, a verify forward of a few tree tokens is a set of small-M GEMMs (M = tree tokens). The stock fp32
-kernels are far from the cost of reading the weights once: on AVX2 kernels two tokens cost ~1.7x one through
-MKL's GEMM (a packing step a one-token GEMV does not pay), and even the one-token GEMV streams the weights at
-~10 GB/s where the memory gives 25+. Two paths replace them while a verify forward runs:
+On a CPU, a verify forward of a few tree tokens is a set of small-M GEMMs (M = tree tokens). The stock kernels are
+far from the cost of reading the weights once: on AVX2 kernels two fp32 tokens cost ~1.7x one through MKL's GEMM
+(a packing step a one-token GEMV does not pay), and even the one-token GEMV streams the weights at ~10 GB/s where
+the memory gives 25+. Two paths replace them while a forward of the fitted decoding runs:
 
-* :class:`SkinnyLinears` (the default where it builds; fp32 and bf16 weights): our own AVX2 + FMA kernel (``csrc/skinny_linear.cpp``,
-  compiled on first use by ``torch.utils.cpp_extension`` into its folder of extensions; needs a C++ compiler). The weights
-  are packed once into 4-row tiles, one copy for every row count, and read once per call whatever M is: on an AVX2
-  CPU a forward of 2-4 tokens costs about what the stock kernels' one-token forward costs, or less.
+* :class:`SkinnyLinears` (the default where it builds; fp32 and bf16 weights): our own AVX2 + FMA kernel
+  (``csrc/skinny_linear.cpp``, compiled on first use by ``torch.utils.cpp_extension`` into its folder of
+  extensions; needs a C++ compiler). The weights are packed once into 4-row tiles, one copy for every row count,
+  and read once per call whatever M is: on an AVX2 CPU a forward of 2-4 tokens costs about what the stock
+  kernels' one-token forward costs, or less, and a one-token forward about half. The drafter's own linears take
+  it too (:func:`drafting_linears`).
 * :class:`PackedLinears`: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, weights packed once per row count of
   :data:`PACKED_ROWS` by ``_mkl_reorder_linear_weight``; an input of m rows is zero-padded to the smallest count
-  >= m). The fallback where no compiler is found (``MEDUSA_LITE_SKINNY=0`` forces it): a 2-token verify forward
-  costs ~1.25x one token.
+  >= m), fp32 only. The fallback where no compiler is found (``MEDUSA_LITE_SKINNY=0`` forces it): a 2-token verify
+  forward costs ~1.25x one token.
 
-Both are context managers: while active (verify forwards only, and only for the tree sizes where the probe
-measured them faster), each eligible ``nn.Linear`` of the target (fp32; bf16 too for the skinny kernel) takes the packed path (its ``forward`` is
-shadowed by an instance attribute, restored on exit); everything else, and the whole model outside the context,
-is untouched. No modeling code is forked. (A ``TorchFunctionMode`` did the same by intercepting every torch call
-of the forward, ~2,600 per forward of the default model: ~10 ms of Python per verify step.) Each packed copy
-costs as much memory as the linear weights, so only as many copies are made as fit in a quarter of the memory
-available (:func:`packed_rows`). Results differ from ``F.linear`` only in summation order (as any two GEMM kernels
-do), so greedy output stays the target's own up to floating-point ties, like every tree forward.
+Both are context managers: while active (verify forwards, only for the tree sizes where the probe measured them
+faster), each eligible ``nn.Linear`` takes the packed path (its ``forward`` is shadowed by an instance attribute,
+restored on exit); everything else, and the whole model outside the context, is untouched. No modeling code is
+forked. (A ``TorchFunctionMode`` did the same by intercepting every torch call of the forward, ~2,600 per forward
+of the default model: ~10 ms of Python per verify step.) Each packed copy costs as much memory as the linear
+weights, so only as many copies are made as fit in a quarter of the memory available (:func:`packed_rows`,
+:func:`skinny_available`). Results differ from ``F.linear`` only in summation order (as any two GEMM kernels do),
+so greedy output stays the target's own up to floating-point ties, like every tree forward.
 """
 
 from __future__ import annotations
