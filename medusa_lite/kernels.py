@@ -60,10 +60,10 @@ def available_memory() -> int | None:
         return None
 
 
-def linear_bytes(target) -> int:
-    """Bytes of the target's fp32 linear weights (what one packed copy costs)."""
-    return sum(m.weight.numel() * 4 for m in target.modules()
-               if isinstance(m, nn.Linear) and m.weight.dtype == torch.float32)
+def linear_bytes(target, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+    """Bytes of the target's linear weights of ``dtypes`` (what one packed copy of them costs)."""
+    return sum(m.weight.numel() * m.weight.element_size() for m in target.modules()
+               if isinstance(m, nn.Linear) and m.weight.dtype in dtypes)
 
 
 def packed_rows(target, counts: tuple[int, ...] = PACKED_ROWS, available: int | None = None) -> tuple[int, ...]:
@@ -158,9 +158,14 @@ class PackedLinears(_PatchedLinears):
     def __init__(self, target, counts: tuple[int, ...] | int | None = None):
         if not packing_available(target):
             raise ValueError("packed linears need fp32 weights on a CPU with MKL")
-        self.counts = row_counts(target, counts)
+        self.counts = self.row_counts(target, counts)
         self.rows = self.counts[-1]
         super().__init__(target)
+
+    @staticmethod
+    def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:
+        """The counts packed for (:func:`row_counts`)."""
+        return row_counts(target, counts)
 
     def _pack(self, w: torch.Tensor) -> dict[int, torch.Tensor]:
         return {n: torch.ops.mkl._mkl_reorder_linear_weight(w, n) for n in self.counts}
@@ -187,6 +192,11 @@ class SkinnyLinears(_PatchedLinears):
             raise ValueError("the skinny kernel needs an AVX2 CPU and a C++ compiler")
         self.min_rows = min_rows
         super().__init__(target)
+
+    @classmethod
+    def row_counts(cls, target, counts=None) -> tuple[int, ...]:
+        """One copy serves every count up to :data:`SKINNY_ROWS`, whatever ``counts`` asks."""
+        return cls.counts
 
     def _eligible(self, module: nn.Module) -> bool:
         return (isinstance(module, nn.Linear) and module.weight.dtype in SKINNY_DTYPES and module.in_features % 8 == 0
@@ -242,16 +252,13 @@ def _ninja_on_path():
 
 
 def skinny_available(target) -> bool:
-    """fp32 or bf16 weights on a CPU whose kernel class has AVX2, and one packed copy fits :data:`MEMORY_SHARE` of
-    the memory available (whether it compiles: :func:`skinny_kernel`)."""
+    """fp32 or bf16 weights on a CPU, and one packed copy fits :data:`MEMORY_SHARE` of the memory available
+    (whether the CPU has AVX2 and the kernel compiles: :func:`skinny_kernel`)."""
     weight = target.get_output_embeddings().weight
     if weight.device.type != "cpu" or weight.dtype not in SKINNY_DTYPES:
         return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return False
     available = available_memory()
-    copy = sum(m.weight.numel() * m.weight.element_size() for m in target.modules() if isinstance(m, nn.Linear))
-    return available is None or copy <= MEMORY_SHARE * available
+    return available is None or linear_bytes(target, SKINNY_DTYPES) <= MEMORY_SHARE * available
 
 
 def verify_linears(target) -> tuple[type[_PatchedLinears], tuple[int, ...]] | None:
@@ -278,16 +285,15 @@ def drafting_linears(drafter) -> SkinnyLinears | None:
 class VerifyKernels:
     """Which verify forwards take the packed path (``kind``: :class:`SkinnyLinears` or :class:`PackedLinears`):
     those of ``first`` .. ``last`` tree tokens (where the probe measured it faster than the stock kernels; 0: up to
-    the path's rows). The
-    weights are packed on first use (a one-time cost per process), or ``packed`` is reused (the probe's own)."""
+    the path's rows). The weights are packed on first use (a one-time cost per process), or ``packed`` is reused
+    (the probe's own)."""
 
     def __init__(self, target, first: int, counts: tuple[int, ...] | int | None = None,
                  packed: _PatchedLinears | None = None, kind: type[_PatchedLinears] = PackedLinears,
                  last: int = 0):
         self.target, self.first, self._packed = target, first, packed
         self.kind = type(packed) if packed is not None else kind
-        self.counts = packed.counts if packed is not None else (
-            kind.counts if kind is SkinnyLinears else row_counts(target, counts))
+        self.counts = packed.counts if packed is not None else kind.row_counts(target, counts)
         self.rows = min(self.counts[-1], last) if last else self.counts[-1]  # last: the largest size that won
 
     def prepare(self) -> None:

@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_lite import MedusaModel
-from medusa_lite.kernels import SkinnyLinears
+from medusa_lite.kernels import SkinnyLinears, skinny_kernel
 from medusa_lite.serve.bench_report import markdown, save
 from medusa_lite.serve.compare import compare
 from medusa_lite.settings import Names, SettingsParser, option
@@ -85,11 +85,9 @@ class BenchSettings:
             self.methods = Names((*self.methods, "vs"))
         if "vs" in self.methods and not self.vs_heads:
             raise ValueError("method vs runs the drafter given by --vs-heads; none was given")
-        if "kernel" in self.methods:
-            from medusa_lite.kernels import skinny_kernel
-            if skinny_kernel() is None:
-                raise ValueError("method kernel needs medusa_lite's skinny kernel, which did not build here (it needs "
-                                 "an AVX2 CPU, a C++ compiler and MEDUSA_LITE_SKINNY unset)")
+        if "kernel" in self.methods and skinny_kernel() is None:
+            raise ValueError("method kernel needs medusa_lite's skinny kernel, which did not build here (it needs "
+                             "an AVX2 CPU, a C++ compiler and MEDUSA_LITE_SKINNY unset)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
 

@@ -87,15 +87,12 @@ class _Latency:
     def packed_range(self) -> tuple[int, int]:
         """(first, last): the longest run of measured sizes at each of which the packed path won (the smaller run
         of two as long); (0, 0): it never won."""
-        runs, run = [], []
+        best, run = (0, 0, 0), []  # (first, last, sizes in the run)
         for n in sorted(self.packed_wins):
             run = run + [n] if self.packed_wins[n] else []
-            if run:
-                runs.append((run[0], run[-1], len(run)))
-        if not runs:
-            return 0, 0
-        first, last, _ = max(runs, key=lambda r: (r[2], -r[0]))
-        return first, last
+            if len(run) > best[2]:  # strictly longer: of two runs as long, the smaller stays
+                best = (run[0], run[-1], len(run))
+        return best[:2]
 
     def result(self) -> tuple[dict[int, dict[int, float]], int, int, dict[int, float]]:
         """(latency of the path each size will take, packed_from, packed_to, the stock one-token latency per
@@ -174,8 +171,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     covers are timed through it too; ``"packed_from"`` .. ``"packed_to"`` is then the longest run of sizes at
     each of which it was faster (0: never), and the latency table holds the path each size will take.
     Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "overhead": s, "seconds": s,
-    "packed_from": n, "packed_to": n, "stock_one": {cache_len: s}, "phases": {name: s}}``. ``sampler``: drafting is timed with it (sampled drafts), as
-    decoding with sampling drafts.
+    "packed_from": n, "packed_to": n, "stock_one": {cache_len: s}, "phases": {name: s}}``. ``sampler``: drafting
+    is timed with it (sampled drafts), as decoding with sampling drafts.
     """
     from tqdm.auto import tqdm
 

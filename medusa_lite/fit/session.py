@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from .._hf import output_weight
 from ..decode import BatchGuards, FittedPlan, Plan, SpeedGuard, make_plan
-from ..kernels import SkinnyLinears, drafting_linears
+from ..kernels import drafting_linears
 from ..sampling import DraftSampler, build_warpers
 from ..tree import parse_tree
 from .pricing import HardwareFit, fit_trees
@@ -67,8 +67,8 @@ class FitSession:
             warnings.warn("the heads' acceptance table has no tree these heads can draft: no hardware fit")
             return None
         sampler = DraftSampler(build_warpers(GenerationConfig(do_sample=True, top_k=0)), None) if sample else None
-        if not isinstance(model.drafter.linears(), SkinnyLinears):  # its drafting is timed (and decodes) through it
-            model.drafter.use_linears(drafting_linears(model.drafter))
+        # drafting is timed (and decodes) through the kernel, packed from the drafter's weights as they are now
+        model.drafter.use_linears(drafting_linears(model.drafter))
         fingerprint, measured, hit, kernels = load_or_probe(
             model, [c.tree for c in candidates if c.tree != []], force=force, progress=progress,
             budget_s=budget_s or DEFAULT_BUDGET_S, max_tokens_per_step=max(max(c.tokens_per_step) for c in candidates),

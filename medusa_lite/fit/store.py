@@ -138,7 +138,8 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
                   budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None):
     """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
     candidates, else a fresh probe (written to the cache). The kernels are the packed linears
-    (:mod:`medusa_lite.kernels`: the skinny kernel, else MKL's packed GEMM) where they were measured faster, packed once per process."""
+    (:mod:`medusa_lite.kernels`: the skinny kernel, else MKL's packed GEMM) where they were measured faster,
+    packed once per process."""
     weight = output_weight(model.base_model)
     fingerprint = machine_fingerprint(weight.device, weight.dtype)
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
