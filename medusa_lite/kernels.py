@@ -7,9 +7,9 @@ the memory gives 25+. Two paths replace them while a forward of the fitted decod
 
 * :class:`SkinnyLinears` (the default where it builds; fp32 and bf16 weights): our own AVX2 + FMA kernel
   (``csrc/skinny_linear.cpp``, compiled on first use by ``torch.utils.cpp_extension`` into its folder of
-  extensions; needs a C++ compiler). The weights are packed once into 4-row tiles, one copy for every row count,
-  and read once per call whatever M is: on an AVX2 CPU a forward of 2-4 tokens costs about what the stock
-  kernels' one-token forward costs, or less, and a one-token forward about half. The drafter's own linears take
+  extensions; needs a C++ compiler). The weights are packed once into panels of 16 output features, one copy for
+  every row count, and streamed once per call whatever M is, prefetched ahead of the arithmetic: on an AVX2 CPU a
+  forward of 1-6 tokens costs about half what the stock kernels' one-token forward costs. The drafter's own linears take
   it too (:func:`drafting_linears`).
 * :class:`PackedLinears`: MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, weights packed once per row count of
   :data:`PACKED_ROWS` by ``_mkl_reorder_linear_weight``; an input of m rows is zero-padded to the smallest count
@@ -18,7 +18,8 @@ the memory gives 25+. Two paths replace them while a forward of the fitted decod
 
 Both are context managers: while active (verify forwards, only for the tree sizes where the probe measured them
 faster), each eligible ``nn.Linear`` takes the packed path (its ``forward`` is shadowed by an instance attribute,
-restored on exit); everything else, and the whole model outside the context, is untouched. No modeling code is
+restored on exit; a decoding loop holds the modules patched for its whole run and each forward's context only
+switches the path on, ``held``); everything else, and the whole model outside the context, is untouched. No modeling code is
 forked. (A ``TorchFunctionMode`` did the same by intercepting every torch call of the forward, ~2,600 per forward
 of the default model: ~10 ms of Python per verify step.) Each packed copy costs as much memory as the linear
 weights, so only as many copies are made as fit in a quarter of the memory available (:func:`packed_rows`,
@@ -43,6 +44,7 @@ SKINNY_ROWS = 32  # the skinny kernel: any row count up to this (its one packed 
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes it takes (bf16: widened to fp32 in registers)
 MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
 _SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
+SKINNY_SOURCE_ID = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]  # names its build, keys the fits timing it
 
 
 def available_memory() -> int | None:
@@ -94,14 +96,18 @@ def row_counts(target, counts: tuple[int, ...] | int | None) -> tuple[int, ...]:
 class _PatchedLinears:
     """``with linears:`` routes the target's eligible ``nn.Linear`` calls with ``min_rows``..``rows`` input rows through
     :meth:`_linear` (weights packed once per module, at construction, by :meth:`_pack`). Re-entrant; the modules'
-    own ``forward`` is back on exit."""
+    own ``forward`` is back on exit. Patching the modules costs ~1 ms for the default model's 211: a decoding loop
+    that enters once per forward holds them patched for its whole run (:meth:`held`), and each ``with`` then only
+    switches the path on (a patched module outside it runs its own forward)."""
 
     counts: tuple[int, ...]
     rows: int
+    source_id = ""  # what a fit timing this path keys on besides its name (the kernel's source, where it is ours)
     min_rows = 2  # fewer rows take the stock kernel (a one-token forward must stay plain decoding's own)
 
     def __init__(self, target):
-        self._depth = 0
+        self._depth = 0  # active: inside ``with``
+        self._holds = 0  # patched while > 0 even when not active (``held``)
         # module -> (its weight, detached; the weight's version when packed; its packed copy or copies)
         self._packed: dict[nn.Linear, tuple[torch.Tensor, int, object]] = {}
         with torch.no_grad():
@@ -122,31 +128,51 @@ class _PatchedLinears:
         raise NotImplementedError
 
     def __enter__(self):
-        if self._depth == 0:
-            for module in self._packed:
-                self._saved[module] = module.__dict__.get("forward")  # an instance forward (e.g. a hook's), or None
-                module.forward = partial(self._forward, module, module.forward)
+        self._patch()
         self._depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
         self._depth -= 1
-        if self._depth == 0:
-            for module, forward in self._saved.items():
-                if forward is None:
-                    del module.forward
-                else:
-                    module.forward = forward
-            self._saved.clear()
+        self._unpatch()
+
+    @contextlib.contextmanager
+    def held(self):
+        """The modules patched for the whole block; the packed path runs only inside ``with self``."""
+        self._patch()
+        self._holds += 1
+        try:
+            yield self
+        finally:
+            self._holds -= 1
+            self._unpatch()
+
+    def _patch(self) -> None:
+        if self._saved or not self._packed:
+            return
+        for module in self._packed:
+            self._saved[module] = module.__dict__.get("forward")  # an instance forward (e.g. a hook's), or None
+            module.forward = partial(self._forward, module, module.forward)
+
+    def _unpatch(self) -> None:
+        if self._depth or self._holds:
+            return
+        for module, forward in self._saved.items():
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+        self._saved.clear()
 
     def _forward(self, module: nn.Linear, stock, x: torch.Tensor) -> torch.Tensor:
         """[..., K] -> [..., N]: the packed path where it applies, else the module's own forward."""
         w, version, packed = self._packed[module]
         m = x.numel() // x.shape[-1]
-        if (not self.min_rows <= m <= self.rows or w._version != version or module.weight.data_ptr() != w.data_ptr()
-                or x.dtype != w.dtype or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            return stock(x)  # too few rows or too many, a weight changed (in place or replaced) since it was packed,
-            # or a forward that needs gradients (the packed paths have none)
+        if (not self._depth or not self.min_rows <= m <= self.rows or w._version != version
+                or module.weight.data_ptr() != w.data_ptr() or x.dtype != w.dtype
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            return stock(x)  # held but not active, too few rows or too many, a weight changed (in place or replaced)
+            # since it was packed, or a forward that needs gradients (the packed paths have none)
         y = self._linear(x.reshape(m, x.shape[-1]), w, packed, module.bias)  # [M, N]
         return y.reshape(*x.shape[:-1], module.weight.shape[0])
 
@@ -180,11 +206,12 @@ class PackedLinears(_PatchedLinears):
 
 class SkinnyLinears(_PatchedLinears):
     """Our AVX2 skinny GEMM for ``min_rows``..:data:`SKINNY_ROWS` rows (:func:`skinny_kernel`): one packed copy of
-    each eligible weight (in_features a multiple of 8) serves every row count, one row included (a one-token
-    forward streams the weights ~2x faster than the stock GEMV on an AVX2 CPU)."""
+    each eligible weight serves every row count, one row included (a one-token forward streams the weights ~2x
+    faster than the stock GEMV on an AVX2 CPU, and up to 6 rows cost about what one does)."""
 
     counts = (SKINNY_ROWS,)
     rows = SKINNY_ROWS
+    source_id = SKINNY_SOURCE_ID  # a changed kernel is timed afresh
 
     def __init__(self, target, counts=None, *, min_rows: int = 1):  # counts: the shared signature; one copy serves all
         self._kernel = skinny_kernel()
@@ -199,11 +226,11 @@ class SkinnyLinears(_PatchedLinears):
         return cls.counts
 
     def _eligible(self, module: nn.Module) -> bool:
-        return (isinstance(module, nn.Linear) and module.weight.dtype in SKINNY_DTYPES and module.in_features % 8 == 0
+        return (isinstance(module, nn.Linear) and module.weight.dtype in SKINNY_DTYPES
                 and module.weight.device.type == "cpu")
 
     def _pack(self, w: torch.Tensor) -> torch.Tensor:
-        return self._kernel.pack_weight(w.contiguous())  # [ceil(N/4), K/8, 4, 8]
+        return self._kernel.pack_weight(w.contiguous())  # [ceil(N/16), K, 16]
 
     def _linear(self, x2, w, packed, bias):
         return self._kernel.skinny_linear(x2, packed, w.shape[0], bias)  # [M, N]
@@ -219,7 +246,7 @@ def skinny_kernel():
         return None
     from torch.utils import cpp_extension  # heavy: imported only here
 
-    name = f"medusa_lite_skinny_{hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]}"
+    name = f"medusa_lite_skinny_{SKINNY_SOURCE_ID}"
     try:
         build = Path(cpp_extension._get_build_directory(name, verbose=False))  # $TORCH_EXTENSIONS_DIR/<name>
     except Exception:  # a private helper of torch's: only used to say so when a build is coming
@@ -300,6 +327,11 @@ class VerifyKernels:
         """Pack now (once), so that no decoding step pays for it."""
         if self._packed is None:
             self._packed = self.kind(self.target, self.counts)
+
+    def held(self):
+        """The modules patched for a decoding loop's whole run (:meth:`_PatchedLinears.held`); packs first."""
+        self.prepare()
+        return self._packed.held()
 
     def context(self, tokens: int):
         """A context manager for a verify forward of ``tokens`` tree tokens."""

@@ -220,6 +220,10 @@ class Engine:
 
     # ---------------------------------------------------------- the worker
     def _loop(self) -> None:
+        with self.batch.held():  # the faster linears patched in once, for the worker's life
+            self._steps()
+
+    def _steps(self) -> None:
         while True:
             with self._cond:
                 while not self._pending and not self.running and not self._closed:

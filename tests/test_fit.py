@@ -356,18 +356,16 @@ def test_skinny_kernel_matches_linear_for_any_row_count_width_and_thread_count()
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for n, k in ((1537, 24), (3, 8), (64, 200)):  # output widths that are not a multiple of the 4-row tile
+            for n, k in ((1537, 24), (3, 5), (64, 200), (17, 12)):  # widths that are not a multiple of the 16-wide panel
                 w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
                 packed = kernel.pack_weight(w)
-                for m in (1, 2, 3, 5, 8, 33):
+                for m in (1, 2, 3, 5, 6, 7, 8, 13, 33):  # passes of up to 6 rows, split evenly
                     x = torch.randn(2 * m, k, generator=gen)[::2]  # not contiguous
                     for bias in (None, b):
                         ref = torch.nn.functional.linear(x, w, bias)
                         assert torch.allclose(kernel.skinny_linear(x, packed, n, bias), ref, atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(threads)
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        kernel.pack_weight(torch.randn(4, 12))
     w, b = torch.randn(1537, 64, generator=gen).bfloat16(), torch.randn(1537, generator=gen).bfloat16()
     packed = kernel.pack_weight(w)  # bf16 weights stay bf16 (half the bytes), sums in fp32, output rounded to bf16
     for m in (1, 4, 33):
@@ -385,13 +383,17 @@ def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():
     skinny = SkinnyLinears(target)
     layer = target.model.layers[0].self_attn.q_proj
     assert layer.bias is not None and layer in skinny._packed
+    calls, kernel_linear = [], skinny._linear
+    skinny._linear = lambda *args: calls.append(args[0].shape[0]) or kernel_linear(*args)  # which calls take it
     for m in (1, 2, 3, 7, SKINNY_ROWS, SKINNY_ROWS + 1):
         x = torch.randn(1, m, layer.in_features)
+        calls.clear()
         with skinny:
             y = layer(x)
         ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
         assert torch.allclose(y, ref, atol=1e-5, rtol=1e-5)
-        assert torch.equal(y, ref) == (m > SKINNY_ROWS)  # beyond its rows the stock kernel runs
+        assert calls == ([] if m > SKINNY_ROWS else [m])  # beyond its rows the stock kernel runs
+        assert torch.equal(y, ref) or m <= SKINNY_ROWS
     with SkinnyLinears(target, min_rows=2):  # a one-token forward kept on the stock kernel
         assert torch.equal(layer(x[:, :1]), torch.nn.functional.linear(x[:, :1], layer.weight, layer.bias))
     x = torch.randn(1, 3, layer.in_features, requires_grad=True)
@@ -403,6 +405,28 @@ def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():
         layer.weight.mul_(2.0)  # changed in place after packing: the stale packed copy is not used
     with skinny:
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_held_linears_stay_patched_and_take_the_kernel_only_inside_with():
+    from medusa_lite.kernels import SkinnyLinears
+
+    _skinny()
+    target = tiny_model("llama")
+    skinny = SkinnyLinears(target)
+    layer = target.model.layers[0].mlp.up_proj
+    calls, kernel_linear = [], skinny._linear
+    skinny._linear = lambda *args: calls.append(args[0].shape[0]) or kernel_linear(*args)
+    x = torch.randn(1, 2, layer.in_features)
+    with skinny.held():  # a decoding loop: patched once, switched on per forward
+        assert "forward" in layer.__dict__
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight)) and calls == []  # held, not active
+        with skinny:
+            layer(x)
+        assert calls == [2] and "forward" in layer.__dict__  # still patched after the forward's own ``with``
+    assert "forward" not in layer.__dict__  # the module's own forward is back
+    with skinny:  # without a hold: patched for the ``with`` alone, as before
+        layer(x)
+    assert calls == [2, 2] and "forward" not in layer.__dict__
 
 
 def test_the_drafters_own_linears_take_the_skinny_kernel_for_one_row_too():

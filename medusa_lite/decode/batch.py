@@ -9,6 +9,7 @@ token (the choice at the last accepted node) becomes the next root. Many rows st
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable
 
@@ -62,6 +63,13 @@ class SpeculativeBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @contextlib.contextmanager
+    def held(self):
+        """The faster linears (verify kernels, the drafter's) patched into the modules for the whole block, so that a
+        loop of steps does not patch and restore them at every forward (:meth:`medusa_lite.kernels.VerifyKernels.held`)."""
+        with self.kernels.held() if self.kernels is not None else contextlib.nullcontext(), self.drafter.linears_held():
+            yield self
 
     @torch.no_grad()
     def add(self, seq: Sequence) -> bool:
@@ -230,8 +238,9 @@ def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
             group = []
         if seq is not None:
             group.append(seq)
-    while batch.rows:
-        batch.step()
+    with batch.held():
+        while batch.rows:
+            batch.step()
 
 
 @torch.no_grad()
@@ -258,8 +267,9 @@ def speculative_generate(
     seq = Sequence(prompt, config, plan, max_new_tokens, stopping_criteria, generator, streamer, on_step)
     batch = SpeculativeBatch(target, drafter, kernels, solo=True)
     if batch.add(seq):
-        while batch.rows:
-            batch.step()
+        with batch.held():
+            while batch.rows:
+                batch.step()
     if seq.error is not None:
         raise seq.error
     return seq.new_tokens, seq.stats

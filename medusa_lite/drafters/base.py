@@ -140,6 +140,12 @@ class Drafter(nn.Module):
         """The context the callers of :meth:`propose` and :meth:`commit` run them in (see :meth:`use_linears`)."""
         return self.__dict__.get("_linears") or contextlib.nullcontext()
 
+    def linears_held(self):
+        """:meth:`linears`'s modules patched for a decoding loop's whole run, each :meth:`linears` then a switch
+        (:meth:`medusa_lite.kernels.SkinnyLinears.held`)."""
+        linears = self.__dict__.get("_linears")
+        return linears.held() if linears is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------------ decoding
     def start(self, ids: list[torch.Tensor], hidden: torch.Tensor) -> DraftState:
         """After the prompt's forward. ids: per row [L_b] ending in the root; hidden: [B, L, F] prompt features."""

@@ -147,7 +147,7 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     kind, counts = linears if linears is not None else (None, ())
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
                   json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None,
-                  f"{kind.__name__}{list(counts)}" if kind is not None else "")
+                  f"{kind.__name__}{list(counts)}{kind.source_id}" if kind is not None else "")
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
