@@ -7,10 +7,10 @@
 // arithmetic, so that reading the next weights overlaps the FMAs on the current ones. Each panel is applied to up
 // to MAX_ROWS x rows at a time (a broadcast of x[m, k] times the panel's 16 weights of row k, into 2 x MAX_ROWS
 // accumulators): up to 6 tree tokens cost about what one does. Every output is one fp32 sum over k in order,
-// whatever M (not MKL's order): results differ from F.linear by float
-// rounding only. AVX2 + FMA, compiled for that target alone (the rest of the file is plain C++). bf16 weights are
-// packed as bf16 (half the bytes to stream) and widened to fp32 in registers; the input is widened once, sums are
-// fp32, the output is rounded to the input's dtype, as oneDNN's bf16 GEMM does.
+// whatever M (not MKL's order): results differ from F.linear by float rounding only. AVX2 + FMA, compiled for that
+// target alone (the rest of the file is plain C++). bf16 weights are packed as bf16 (half the bytes to stream) and
+// widened to fp32 in registers; the input is widened once, sums are fp32, the output is rounded to the input's
+// dtype, as oneDNN's bf16 GEMM does.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -17,7 +17,7 @@ def tree_attention_mask(cache: DynamicCache, buffers: TreeBuffers, cache_len: in
     """The verify pass's attention mask: one 4D additive mask, or ``{layer type: mask}`` when full and
     sliding layers alternate (what transformers' models with mixed layers accept); None for the root alone over a
     cache without sliding layers (one token that sees every cached one: the model's own mask, the forward plain
-    decoding runs, whose attention skips the mask: ~2-4 ms less a step for the default model on CPU).
+    decoding runs, whose attention skips the mask: ~0.7 ms less a step for the default model, AVX2 class).
 
     Full layers: :func:`medusa_lite.tree.attention_bias` (every node sees the whole cache and its
     ancestors). Sliding layers: :func:`medusa_lite.tree.sliding_attention_bias` over the keys the layer
