@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_lite import MedusaModel
+from medusa_lite._hf import grouped_attention
 from medusa_lite.kernels import SkinnyLinears, skinny_kernel
 from medusa_lite.serve.bench_report import markdown, save
 from medusa_lite.serve.compare import compare
@@ -68,7 +69,8 @@ class BenchSettings:
     temperature: float = option(0.0, "0 = greedy (default); e.g. 1.0 to sample")
     methods: Names = option(Names(DEFAULT_METHODS), f"subset of {','.join(METHODS)} (loop: medusa_lite with no "
                                                     "tree, a reference; kernel: plain decoding with the target's "
-                                                    "linears through medusa_lite's skinny kernel, what the kernel "
+                                                    "linears through medusa_lite's skinny kernel (and its packed "
+                                                    "single-query attention), what the kernel "
                                                     "alone gives); plain is always run")
     prompt_lookup_tokens: int = option(10, "prompt_lookup_num_tokens for pld")
     seed: int = option(0, "sampling seed")
@@ -145,10 +147,10 @@ def make_runners(drafters: dict[str, MedusaModel], gen: dict, pld_tokens: int) -
 
     fast = None
 
-    def kernel(ids):  # plain decoding with every linear of the target through the skinny kernel, one row included
+    def kernel(ids):  # plain decoding through medusa_lite's kernels: every linear skinny, the single query packed
         nonlocal fast
         fast = fast or SkinnyLinears(target)
-        with fast:
+        with fast, grouped_attention(single_query=True):
             return target.generate(ids, attention_mask=torch.ones_like(ids), **gen)
 
     return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs, "kernel": kernel}

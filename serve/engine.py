@@ -18,6 +18,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from medusa_lite import MedusaModel
 from medusa_lite._hf import context_length
+from medusa_lite.decode import prefill_chunks
+from medusa_lite.decode.batch import PREFILL_TOKENS
 
 from .metrics import Metrics, speculative_stats
 from .schemas import APIError
@@ -136,14 +138,16 @@ class _JobStreamer:
 class Engine:
     """Owns the model; admits jobs into a bounded FIFO and decodes up to ``max_batch_size`` of them at once on one
     thread (continuous batching, :class:`medusa_lite.decode.SpeculativeBatch`): between two verify steps,
-    cancelled rows leave and waiting jobs join (each prefilled by a forward of its own); every step verifies all
+    cancelled rows leave and waiting jobs join (their prompts prefilled together, up to ``max_prefill_tokens`` padded
+    prompt tokens a forward); every step verifies all
     rows' trees in one target forward of at most ``max_batched_tokens`` tree tokens. Each row stops, streams and
     fails on its own: its output is its solo output whatever the other rows do."""
 
     def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 16,
-                 max_batched_tokens: int = 128):
+                 max_batched_tokens: int = 128, max_prefill_tokens: int = PREFILL_TOKENS):
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
+        self.max_prefill_tokens = max_prefill_tokens
         self.batch = model.decoder(max_step_tokens=max_batched_tokens)
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
         self.limit = context_length(model.base_model.config)
@@ -234,8 +238,7 @@ class Engine:
                 while self._pending and len(self.running) + len(joining) < self.max_batch_size:
                     joining.append(self._pending.popleft())
                 self.metrics.waiting.set(len(self._pending))
-            for request in _by_request(joining):
-                self._join(request)
+            self._join(_by_request(joining))
             self._leave([job for job in self.running if job.cancel.is_set()], Cancelled())
             if self.batch.rows:
                 self.metrics.batch_size.observe(len(self.batch.rows))
@@ -249,32 +252,38 @@ class Engine:
                     self._finish(seq.tag)
             self.metrics.running.set(len(self.running))
 
-    def _join(self, jobs: list[Job]) -> None:
-        """Prefill a request's jobs (its ``n`` completions share one prefill forward) and add them to the batch, or
-        finish those whose first token was their last, or fail those that are bad or cancelled."""
-        seqs = []
-        for job in jobs:
+    def _join(self, requests: list[list[Job]]) -> None:
+        """Prefill the joining requests, several prompts in each forward (:func:`~medusa_lite.decode.prefill_chunks`;
+        a request's ``n`` completions share its prompt's row) and add them to the batch, or finish those whose first
+        token was their last, or fail those that are bad or cancelled."""
+        groups = []
+        for jobs in requests:
+            seqs = []
+            for job in jobs:
+                try:
+                    if job.cancel.is_set():
+                        raise Cancelled
+                    job.seq = self._sequence(job)
+                    seqs.append(job.seq)
+                except Exception as e:  # noqa: BLE001 - reported to this request only
+                    self._fail(job, e)
+            if seqs:
+                groups.append(seqs)
+        for chunk in prefill_chunks(groups, self.max_prefill_tokens):
             try:
-                if job.cancel.is_set():
-                    raise Cancelled
-                job.seq = self._sequence(job)
-                seqs.append(job.seq)
-            except Exception as e:  # noqa: BLE001 - reported to this request only
-                self._fail(job, e)
-        if not seqs:
-            return
-        try:
-            joined = self.batch.add_group(seqs)
-        except Exception as e:  # noqa: BLE001 - reported to this request only
-            for seq in seqs:
-                self._fail(seq.tag, e)
-            return
-        for seq, ok in zip(seqs, joined):
-            if ok:
-                with self._cond:
-                    self.running.append(seq.tag)
-            else:
-                self._finish(seq.tag)
+                joined = self.batch.add_prompts(chunk)
+            except Exception as e:  # noqa: BLE001 - reported to these requests only
+                for seqs in chunk:
+                    for seq in seqs:
+                        self._fail(seq.tag, e)
+                continue
+            for seqs, oks in zip(chunk, joined):
+                for seq, ok in zip(seqs, oks):
+                    if ok:
+                        with self._cond:
+                            self.running.append(seq.tag)
+                    else:
+                        self._finish(seq.tag)
 
     def _sequence(self, job: Job):
         """The job's row (:meth:`MedusaModel.sequence`), streaming into its detokenizer."""

@@ -5,7 +5,8 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 
 Scheduling: continuous batching. One worker thread decodes up to ``max_batch_size`` requests at once
 (:class:`medusa_lite.decode.SpeculativeBatch`): every step verifies all their trees in one target forward;
-between steps finished and cancelled requests leave and waiting ones join. Trees shrink as the batch grows
+between steps finished and cancelled requests leave and waiting ones join, their prompts prefilled together
+(up to ``max_prefill_tokens`` a forward). Trees shrink as the batch grows
 (priced by the latency model fitted to this machine, capped at ``max_batched_tokens`` per step). Up to
 ``max_queue`` more requests wait in a FIFO queue and further requests get 429 with ``Retry-After``. A request
 whose client disconnects is cancelled: a waiting one leaves the queue at once, a running one leaves the batch
@@ -55,6 +56,8 @@ class Settings:
     max_batch_size: int = option(16, "requests decoded at once (continuous batching); 1: one at a time")
     max_batched_tokens: int = option(128, "tree tokens one verify step may hold, all rows together (trees are "
                                           "cut to fit)")
+    max_prefill_tokens: int = option(256, "prompt tokens one prefill forward may hold when requests join together "
+                                          "(prompts x the longest; a longer prompt is prefilled alone)")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (capped by the context window)")
     max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
     threads: int | None = option(None, "torch intra-op threads; none: torch's default")
@@ -64,6 +67,7 @@ class Settings:
     def __post_init__(self) -> None:
         checks = {"port": 0 <= self.port < 65536, "max_queue": self.max_queue >= 0,
                   "max_batch_size": self.max_batch_size >= 1, "max_batched_tokens": self.max_batched_tokens >= 1,
+                  "max_prefill_tokens": self.max_prefill_tokens >= 1,
                   "default_max_tokens": self.default_max_tokens >= 1, "max_body_bytes": self.max_body_bytes >= 1024,
                   "dtype": self.dtype in ("fp32", "bf16", "fp16"), "shutdown_timeout": self.shutdown_timeout >= 0}
         bad = [name for name, ok in checks.items() if not ok]
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
             break
         log.info("tree fitted for %s decoding:\n%s", decoding, fit.report())
         metrics.record_fit(fit, decoding)
-    engine = Engine(model, tokenizer, metrics, settings.max_queue, settings.max_batch_size, settings.max_batched_tokens)
+    engine = Engine(model, tokenizer, metrics, settings.max_queue, settings.max_batch_size, settings.max_batched_tokens,
+                    settings.max_prefill_tokens)
     log.info("continuous batching: up to %d requests at once, %d tree tokens per step", engine.max_batch_size,
              settings.max_batched_tokens)
     for decoding in ("greedy", "sample"):

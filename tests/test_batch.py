@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import random_heads, tiny_model
@@ -74,6 +76,7 @@ def test_batch_greedy_equals_solo_and_plain(arch, heads, tree):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     assert out.shape == (4, ids.shape[1] + 40)
     steps = [s.tokens_per_step for s in model.last_batch_stats]
+    assert len({s.prefill_time for s in model.last_batch_stats}) == 1  # the four prompts were prefilled in one forward
     for b, (p, ref) in enumerate(zip(prompts, refs)):
         assert torch.equal(out[b, :ids.shape[1]], ids[b])
         assert torch.equal(out[b, ids.shape[1]:], ref), f"row {b}"
@@ -81,6 +84,22 @@ def test_batch_greedy_equals_solo_and_plain(arch, heads, tree):
         assert torch.equal(solo[0, p.numel():], ref)
     if heads.endswith("oracle"):
         assert max(max(s) for s in steps) >= 3 and min(min(s) for s in steps) == 1  # long and short acceptances
+
+
+def test_prefill_chunks_hold_the_budget_in_padded_tokens():
+    """Prompts joining together are prefilled several at a time: rows x the longest prompt within the budget, in
+    order, a prompt longer than the budget alone; sequences sharing a prompt are one row."""
+    from types import SimpleNamespace
+
+    from medusa_lite.decode import prefill_chunks, same_prompt_groups
+
+    seqs = [SimpleNamespace(prompt=torch.arange(n) + first) for n, first in
+            [(30, 0), (30, 0), (40, 0), (60, 0), (300, 0), (10, 0), (10, 1)]]
+    groups = same_prompt_groups(seqs)
+    assert [len(g) for g in groups] == [2, 1, 1, 1, 1, 1]  # the two 30-token prompts are one row; the 10s differ
+    chunks = prefill_chunks(groups, budget=128)
+    assert [[g[0].prompt.numel() for g in c] for c in chunks] == [[30, 40], [60], [300], [10, 10]]
+    assert prefill_chunks(groups, budget=1) == [[g] for g in groups]
 
 
 def test_rows_join_leave_and_stop_on_their_own():
@@ -373,6 +392,37 @@ def test_grouped_attention_is_bit_identical_to_repeated_heads():
     with grouped_attention():
         assert sdpa_attention.use_gqa_in_sdpa(torch.ones(1, 1, 1, 3, dtype=torch.bool), k, k)  # the copy-free path
     assert not sdpa_attention.use_gqa_in_sdpa(torch.ones(1, 1, 1, 3, dtype=torch.bool), k, k)  # only inside
+    half, one_query, two_queries = k.bfloat16(), torch.ones(1, 1, 1, 3, dtype=torch.bool), torch.ones(1, 1, 2, 3, dtype=torch.bool)
+    with grouped_attention(single_query=True):  # one query in half precision: transformers packs its heads
+        assert not sdpa_attention.use_gqa_in_sdpa(None, half, half)
+        assert sdpa_attention.use_gqa_in_sdpa(None, k, k)  # fp32 keeps torch's GQA kernel (its bits unchanged)
+    with grouped_attention():
+        assert not sdpa_attention.use_gqa_in_sdpa(one_query, half, half)
+        assert sdpa_attention.use_gqa_in_sdpa(two_queries, half, half) and sdpa_attention.use_gqa_in_sdpa(None, half, half)
+
+
+def test_packed_single_query_attention_matches_in_half_precision():
+    """One query token per row in bf16 (rows of a batched root step, and the root alone without a mask): the packed
+    heads give the target's own logits (bf16 rounding aside) and the same greedy token."""
+    from medusa_lite._hf import grouped_attention
+
+    target = tiny_model().to(torch.bfloat16)  # 4 query heads, 2 key/value heads
+    ids = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 21, dtype=torch.long)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        cache = target(input_ids=ids, attention_mask=mask[:, :20], use_cache=True).past_key_values
+        step = dict(input_ids=ids[:, -1:], attention_mask=mask, use_cache=False)
+        plain = target(past_key_values=copy.deepcopy(cache), **step).logits
+        with grouped_attention():
+            packed = target(past_key_values=copy.deepcopy(cache), **step).logits
+        alone = target(input_ids=ids[:1], use_cache=True).past_key_values
+        plain1 = target(input_ids=ids[:1, -1:], past_key_values=copy.deepcopy(alone)).logits
+        with grouped_attention(single_query=True):
+            packed1 = target(input_ids=ids[:1, -1:], past_key_values=copy.deepcopy(alone)).logits
+    for a, b in ((plain, packed), (plain1, packed1)):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
 def test_compaction_ignores_the_left_padding_it_cannot_free(monkeypatch):

@@ -10,6 +10,7 @@ token (the choice at the last accepted node) becomes the next root. Many rows st
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Callable
 
@@ -20,12 +21,13 @@ from .._hf import cache_kwarg, context_length
 from ..kv import (attention_layout, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
                   new_cache, rows_cache, select_rows)
 from ..drafters import Draft, Drafter, DraftState
-from .forward import prefill, read_features, verify_forward, verify_rows
+from .forward import prefill, prefill_rows, read_features, verify_forward, verify_rows
 from .plans import BatchPlanner, Plan, first_nodes
 from .sequence import GenerationStats, Sequence, record_step
 
 
 COMPACT_SLACK = 32  # slots per row compacting must free before the batch's cache is compacted (plus a quarter)
+PREFILL_TOKENS = 256  # padded prompt tokens per prefill forward of several prompts (rows x longest prompt)
 
 
 class SpeculativeBatch:
@@ -77,10 +79,13 @@ class SpeculativeBatch:
         finished at its first token (or its streamer raised): it does not join, and is finished."""
         return self.add_group([seq])[0]
 
+    def _fresh_cache(self):
+        return new_cache(self.target) if self.window is None else rows_cache(self.target)
+
     @torch.no_grad()
     def prefill(self, prompt: torch.Tensor) -> tuple:
         """The prompt's forward into a fresh cache: (output, cache, seconds), for :meth:`add_group`'s ``prefilled``."""
-        cache = new_cache(self.target) if self.window is None else rows_cache(self.target)
+        cache = self._fresh_cache()
         out, seconds = prefill(self.target, prompt, {self.cache_key: cache})
         return out, cache, seconds
 
@@ -90,37 +95,65 @@ class SpeculativeBatch:
         forward: each chooses its first token from the prompt's logits (its own draw when sampling), and the
         prompt's cache row is copied for each. ``prefilled``: the prompt's :meth:`prefill`, done already (its
         cache is taken over). Per sequence: whether it joined (False: finished already)."""
-        prompt = seqs[0].prompt
-        if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
-            raise ValueError("add_group: the sequences' prompts differ")
+        _check_group(seqs)
         if self.solo and (self.rows or len(seqs) > 1):
             raise ValueError("a solo SpeculativeBatch decodes one sequence")
-        out, cache, seconds = prefilled if prefilled is not None else self.prefill(prompt)
-        staying = []
-        for seq in seqs:
-            seq.stats.prefill_time = seconds
-            seq.stats.target_time += seconds
-            seq.stats.target_forwards += 1
-            seq.cache_len = prompt.numel()
-            seq.extend([int(seq.choose(out.logits[0, -1:])[0])], out.logits[0, -1:])
-            if seq.done:
-                seq.finish()
+        out, cache, seconds = prefilled if prefilled is not None else self.prefill(seqs[0].prompt)
+        valid = torch.ones(1, seqs[0].prompt.numel(), dtype=torch.bool, device=seqs[0].prompt.device)
+        return self._admit([seqs], out, cache, valid, seconds)[0]
+
+    @torch.no_grad()
+    def add_prompts(self, groups: list[list[Sequence]]) -> list[list[bool]]:
+        """Several prompts joining at once, each a group of sequences as :meth:`add_group` takes them, prefilled in one
+        forward of all the prompts (left-padded, each row at its own positions: :func:`~.forward.prefill_rows`).
+        Per group, per sequence: whether it joined. Each row's output is what it would be joining alone, up to
+        floating-point ties between the batched and the single-row matmuls (as for batched verify steps)."""
+        if len(groups) == 1:
+            return [self.add_group(groups[0])]
+        if self.solo:
+            raise ValueError("a solo SpeculativeBatch decodes one sequence")
+        for seqs in groups:
+            _check_group(seqs)
+        cache = self._fresh_cache()
+        out, valid, seconds = prefill_rows(self.target, [seqs[0].prompt for seqs in groups], {self.cache_key: cache})
+        return self._admit(groups, out, cache, valid, seconds)
+
+    def _admit(self, groups: list[list[Sequence]], out, cache, valid: torch.Tensor, seconds: float) -> list[list[bool]]:
+        """Prefilled groups join: row g of ``out`` / ``cache`` / ``valid`` [G, L] is group g's prompt, left-padded.
+        Each sequence chooses its first token; those not finished by it join with a copy of their prompt's row."""
+        features = read_features(out, self.drafter)  # [G, L, F]
+        prompt_rows, states, staying = [], [], []
+        for g, seqs in enumerate(groups):
+            length = seqs[0].prompt.numel()
+            joining = [seq for seq in seqs if self._first_token(seq, out.logits[g, -1:], length, seconds)]
+            if joining:
+                prompt_rows += [g] * len(joining)
+                states.append(self.drafter.start([seq.ids() for seq in joining],
+                                                 features[g:g + 1, -length:].expand(len(joining), -1, -1)))
+                staying += joining
+        if staying:
+            if prompt_rows != list(range(len(groups))):  # one copy of a prompt's row per sequence
+                valid = select_rows(cache, valid, torch.tensor(prompt_rows, device=valid.device))
+            state = functools.reduce(DraftState.join, states)
+            if self.rows:
+                self.valid = join_rows(self.cache, self.valid, cache, valid)
+                self.state = self.state.join(state)
             else:
-                staying.append(seq)
-        if not staying:
-            return [False] * len(seqs)
-        features = read_features(out, self.drafter)  # [1, L, F]
-        state = self.drafter.start([seq.ids() for seq in staying], features.expand(len(staying), -1, -1))
-        valid = torch.ones(1, prompt.numel(), dtype=torch.bool, device=prompt.device)
-        if len(staying) > 1:  # one copy of the prompt's cache row per sequence
-            valid = select_rows(cache, valid, torch.zeros(len(staying), dtype=torch.long, device=prompt.device))
-        if self.rows:
-            self.valid = join_rows(self.cache, self.valid, cache, valid)
-            self.state = self.state.join(state)
-        else:
-            self.cache, self.valid, self.state = cache, valid, state
-        self.rows.extend(staying)
-        return [not seq.done for seq in seqs]
+                self.cache, self.valid, self.state = cache, valid, state
+            self.rows.extend(staying)
+        return [[not seq.done for seq in seqs] for seqs in groups]
+
+    @staticmethod
+    def _first_token(seq: Sequence, logits: torch.Tensor, prompt_len: int, seconds: float) -> bool:
+        """The sequence's first token, chosen from its prompt's last logits [1, V]; whether it goes on (else finished)."""
+        seq.stats.prefill_time = seconds
+        seq.stats.target_time += seconds
+        seq.stats.target_forwards += 1
+        seq.cache_len = prompt_len
+        seq.extend([int(seq.choose(logits)[0])], logits)
+        if seq.done:
+            seq.finish()
+        return not seq.done
 
     @torch.no_grad()
     def step(self) -> list[Sequence]:
@@ -229,15 +262,44 @@ class SpeculativeBatch:
             self.valid = compact_rows(self.cache, self.valid)
 
 
+def _check_group(seqs: list[Sequence]) -> None:
+    prompt = seqs[0].prompt
+    if any(not torch.equal(seq.prompt, prompt) for seq in seqs[1:]):
+        raise ValueError("add_group: the sequences' prompts differ")
+
+
+def prefill_chunks(groups: list[list[Sequence]], budget: int = PREFILL_TOKENS) -> list[list[list[Sequence]]]:
+    """Consecutive groups (one prompt each) in chunks of at most ``budget`` padded prompt tokens (prompts x the
+    longest), each chunk one prefill forward (:meth:`SpeculativeBatch.add_prompts`); a longer prompt is a chunk alone."""
+    chunks: list[list[list[Sequence]]] = []
+    width = 0
+    for group in groups:
+        length = group[0].prompt.numel()
+        if chunks and (len(chunks[-1]) + 1) * max(width, length) <= budget:
+            chunks[-1].append(group)
+            width = max(width, length)
+        else:
+            chunks.append([group])
+            width = length
+    return chunks
+
+
+def same_prompt_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Consecutive sequences with the same prompt grouped (they share its prefill)."""
+    groups: list[list[Sequence]] = []
+    for seq in seqs:
+        if groups and torch.equal(seq.prompt, groups[-1][0].prompt):
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+    return groups
+
+
 def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
-    """Decode every sequence to its end in one batch; consecutive sequences with the same prompt share its prefill."""
-    group: list[Sequence] = []
-    for seq in seqs + [None]:
-        if group and (seq is None or not torch.equal(seq.prompt, group[0].prompt)):
-            batch.add_group(group)
-            group = []
-        if seq is not None:
-            group.append(seq)
+    """Decode every sequence to its end in one batch; consecutive sequences with the same prompt share its prefill,
+    and the prompts are prefilled several at a time (:func:`prefill_chunks`)."""
+    for chunk in prefill_chunks(same_prompt_groups(seqs)):
+        batch.add_prompts(chunk)
     with batch.held():
         while batch.rows:
             batch.step()

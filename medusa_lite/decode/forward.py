@@ -1,4 +1,4 @@
-"""The target forwards of the loop, each returning its output and the seconds it took: the prompt's prefill and the
+"""The target forwards of the loop, each returning its output and the seconds it took: the prompts' prefill and the
 verify forward over one row's tree or over every row's tree at once. The only place the loop calls the target."""
 
 from __future__ import annotations
@@ -23,6 +23,22 @@ def prefill(target, prompt: torch.Tensor, cache_arg: dict):
     return out, time.perf_counter() - t0
 
 
+def prefill_rows(target, prompts: list[torch.Tensor], cache_arg: dict):
+    """Several prompts' forward ([L_b] long each) in one, left-padded to the longest, each row at its own positions
+    ``0 .. L_b - 1`` (one forward of B x L tokens runs the GEMMs far better than B forwards of L on a CPU):
+    (output, valid [B, L] bool: the slots each row holds, seconds). Row b's features are its last L_b positions."""
+    width = max(p.numel() for p in prompts)
+    pad = torch.nn.functional.pad
+    ids = torch.stack([pad(p, (width - p.numel(), 0), value=int(p[0])) for p in prompts])  # [B, L]
+    valid = torch.stack([pad(torch.ones_like(p, dtype=torch.bool), (width - p.numel(), 0)) for p in prompts])  # [B, L]
+    positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, L]
+    t0 = time.perf_counter()
+    with grouped_attention():
+        out = target(input_ids=ids, attention_mask=valid.long(), position_ids=positions, use_cache=True,
+                     output_hidden_states=True, return_dict=True, **cache_arg, **prefill_kwargs(target))
+    return out, valid, time.perf_counter() - t0
+
+
 def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeBuffers, cache_len: int, kernels=None,
                    layout: AttentionLayout | None = None):
     """One target forward over every tree node: tree attention mask, positions ``cache_len + depth``; (output, seconds).
@@ -34,7 +50,8 @@ def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeB
     dtype = target.get_output_embeddings().weight.dtype
     layout = layout or attention_layout(target)
     t0 = time.perf_counter()
-    with grouped_attention(), kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+    with grouped_attention(tokens.numel() == 1), \
+            kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
                      attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype,
                                                         layout),
