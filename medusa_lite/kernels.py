@@ -45,6 +45,8 @@ SKINNY_DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes it takes (bf16:
 MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
 _SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
 SKINNY_SOURCE_ID = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]  # names its build, keys the fits timing it
+_ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "small_attention.cpp"
+ATTENTION_SOURCE_ID = hashlib.sha256(_ATTENTION_SOURCE.read_bytes()).hexdigest()[:12]
 
 
 def available_memory() -> int | None:
@@ -240,25 +242,39 @@ class SkinnyLinears(_PatchedLinears):
 def skinny_kernel():
     """The compiled skinny GEMM extension (built once per machine by ``torch.utils.cpp_extension``, loaded once per process),
     or None where it cannot be built (no compiler, no AVX2 kernels, or ``MEDUSA_LITE_SKINNY=0``)."""
-    if os.environ.get("MEDUSA_LITE_SKINNY", "1").lower() in ("0", "off", "false", "no"):
+    return _extension("skinny", _SOURCE, SKINNY_SOURCE_ID, "MEDUSA_LITE_SKINNY", "the skinny verify kernel",
+                      "falling back to MKL's packed GEMM")
+
+
+@cache
+def attention_kernel():
+    """The compiled few-query attention extension (``csrc/small_attention.cpp``; see :func:`medusa_lite._hf.grouped_attention`),
+    or None where it cannot be built (no compiler, no AVX2 kernels, or ``MEDUSA_LITE_ATTENTION=0``)."""
+    return _extension("attention", _ATTENTION_SOURCE, ATTENTION_SOURCE_ID, "MEDUSA_LITE_ATTENTION",
+                      "the few-query attention kernel", "torch's SDPA instead")
+
+
+def _extension(kind: str, source: Path, source_id: str, switch: str, what: str, fallback: str):
+    """Build (once per machine and source) and load (once per process) the C++ extension ``source``; None where it
+    cannot be built or the environment variable ``switch`` is 0."""
+    if os.environ.get(switch, "1").lower() in ("0", "off", "false", "no"):
         return None
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None
     from torch.utils import cpp_extension  # heavy: imported only here
 
-    name = f"medusa_lite_skinny_{SKINNY_SOURCE_ID}"
+    name = f"medusa_lite_{kind}_{source_id}"
     try:
         build = Path(cpp_extension._get_build_directory(name, verbose=False))  # $TORCH_EXTENSIONS_DIR/<name>
     except Exception:  # a private helper of torch's: only used to say so when a build is coming
         build = None
     if build is not None and not any(build.glob("*.so")):
-        warnings.warn(f"compiling the skinny verify kernel into {build} (once per machine, ~30 s)")
+        warnings.warn(f"compiling {what} into {build} (once per machine, ~30 s)")
     try:
         with _ninja_on_path():
-            return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O3"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, no Python headers: the MKL path (or stock kernels) instead
-        warnings.warn(f"the skinny verify kernel did not build ({type(e).__name__}: {str(e)[:200]}); "
-                      "falling back to MKL's packed GEMM")
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, no Python headers: the stock path instead
+        warnings.warn(f"{what} did not build ({type(e).__name__}: {str(e)[:200]}); {fallback}")
         return None
 
 

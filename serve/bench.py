@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from medusa_lite import MedusaModel
 from medusa_lite._hf import grouped_attention
-from medusa_lite.kernels import SkinnyLinears, skinny_kernel
+from medusa_lite.kernels import SkinnyLinears, attention_kernel, skinny_kernel
 from medusa_lite.serve.bench_report import markdown, save
 from medusa_lite.serve.compare import compare
 from medusa_lite.settings import Names, SettingsParser, option
@@ -150,7 +150,7 @@ def make_runners(drafters: dict[str, MedusaModel], gen: dict, pld_tokens: int) -
     def kernel(ids):  # plain decoding through medusa_lite's kernels: every linear skinny, the single query packed
         nonlocal fast
         fast = fast or SkinnyLinears(target)
-        with fast, grouped_attention(single_query=True):
+        with fast, grouped_attention(single_query=True, small=attention_kernel()):
             return target.generate(ids, attention_mask=torch.ones_like(ids), **gen)
 
     return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs, "kernel": kernel}

@@ -440,3 +440,96 @@ def test_compaction_ignores_the_left_padding_it_cannot_free(monkeypatch):
     while batch.rows:
         batch.step()
     assert not calls
+
+
+def _attention_kernel():
+    from medusa_lite.kernels import attention_kernel
+
+    kernel = attention_kernel()
+    if kernel is None:
+        pytest.skip("the few-query attention kernel does not build here (no C++ compiler, or no AVX2 kernels)")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_attention_kernel_matches_sdpa(dtype):
+    """The few-query kernel against float64 SDPA: grouped heads, 1-5 queries, masks with holes and other branches
+    (the dtype's minimum), a mask shared by the rows or one per row, none for one query, the cache a view with room."""
+    import torch.nn.functional as F
+
+    kernel = _attention_kernel()
+    g = torch.Generator().manual_seed(0)
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    for batch, heads, kv_heads, queries, keys, dim in [(1, 9, 3, 1, 300, 64), (3, 4, 2, 2, 7, 16), (2, 6, 6, 5, 33, 8),
+                                                       (3, 8, 2, 1, 1, 72), (1, 4, 1, 3, 129, 64)]:
+        q = torch.randn(batch, queries, heads, dim, generator=g).to(dtype).transpose(1, 2)  # as transformers has it
+        room = torch.randn(2, batch, kv_heads, keys + 5, dim, generator=g).to(dtype)
+        k, v = room[0, :, :, :keys], room[1, :, :, :keys]
+        for rows in (1, batch):
+            masks = [torch.where(torch.rand(rows, 1, queries, keys, generator=g) < 0.3, torch.finfo(dtype).min, 0.0)]
+            masks[0][..., -1] = 0.0  # every query sees a key
+            masks = [m.to(dtype) for m in masks] + ([None] if queries == 1 else [])
+            for mask in masks:
+                ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                                     attn_mask=None if mask is None else mask.double(), enable_gqa=True,
+                                                     scale=0.3)
+                out = kernel.small_attention(q, k, v, mask, 0.3)
+                assert out.dtype == dtype and out.shape == q.shape
+                assert (out.double() - ref).abs().max() < tol, (batch, heads, kv_heads, queries, keys, dim, rows)
+
+
+def test_small_attention_gives_masked_keys_no_weight():
+    """A key the mask hides contributes exactly nothing, however large its value (holes and padding hold stale or
+    zero entries): the same output as with those values zeroed. A rule that only down-weights them fails."""
+    kernel = _attention_kernel()
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 2, 16, generator=g), torch.randn(2, 2, 50, 16, generator=g), torch.randn(2, 2, 50, 16, generator=g)
+    hidden = torch.rand(2, 1, 2, 50, generator=g) < 0.4
+    hidden[..., 0] = False
+    mask = torch.zeros(2, 1, 2, 50).masked_fill_(hidden, torch.finfo(torch.float32).min)
+    both = hidden[:, 0].all(dim=1)  # [2, 50] keys hidden from both queries of a row
+    loud = v.clone()
+    loud.masked_fill_(both[:, None, :, None], 1e30)
+    quiet = v.masked_fill(both[:, None, :, None], 0.0)
+    assert torch.equal(kernel.small_attention(q, k, loud, mask, 0.25), kernel.small_attention(q, k, quiet, mask, 0.25))
+    assert torch.isfinite(kernel.small_attention(q, k, loud, mask, 0.25)).all()
+
+
+def test_few_query_forwards_take_the_attention_kernel_and_keep_the_target_logits():
+    """Inside medusa_lite's forwards a CPU step of 1-2 queries per row attends through the kernel (batched roots with
+    a mask, the root alone without one), longer ones through SDPA; the logits are the target's own (float rounding)."""
+    from medusa_lite._hf import grouped_attention
+
+    kernel = _attention_kernel()
+    target = tiny_model()  # 4 query heads, 2 key/value heads
+    ids = torch.randint(1, 128, (3, 23), generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(3, 23, dtype=torch.bool)
+    valid[1, :7] = False  # a row's left padding
+    calls = []
+    with torch.no_grad():
+        cache = target(input_ids=ids[:, :20], attention_mask=valid[:, :20].long(), use_cache=True).past_key_values
+        for n in (1, 2, 3):  # n new tokens a row, causal among themselves, as a verify step's additive mask
+            allowed = valid[:, None, None, :20 + n] & torch.ones(n, 20 + n, dtype=torch.bool).tril(20)
+            step = dict(input_ids=ids[:, 20:20 + n], position_ids=(valid[:, :20].sum(1, keepdim=True) + torch.arange(n)),
+                        attention_mask=torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min),
+                        use_cache=True)
+            plain = target(past_key_values=copy.deepcopy(cache), **step).logits
+            with grouped_attention(small=_Spy(kernel, calls)):
+                fast = target(past_key_values=copy.deepcopy(cache), **step).logits
+            torch.testing.assert_close(plain, fast, atol=1e-5, rtol=1e-5)
+        alone = target(input_ids=ids[:1, :20], use_cache=True).past_key_values
+        plain = target(input_ids=ids[:1, 20:21], past_key_values=copy.deepcopy(alone)).logits
+        with grouped_attention(single_query=True, small=_Spy(kernel, calls)):
+            fast = target(input_ids=ids[:1, 20:21], past_key_values=copy.deepcopy(alone)).logits
+        torch.testing.assert_close(plain, fast, atol=1e-5, rtol=1e-5)
+    layers = target.config.num_hidden_layers
+    assert calls == [1] * layers + [2] * layers + [1] * layers  # 3 queries a row: SDPA
+
+
+class _Spy:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def small_attention(self, q, *args):
+        self.calls.append(q.shape[2])
+        return self.kernel.small_attention(q, *args)

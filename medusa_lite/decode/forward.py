@@ -9,6 +9,7 @@ import time
 import torch
 
 from .._hf import grouped_attention, prefill_kwargs
+from ..kernels import attention_kernel
 from ..kv import AttentionLayout, attention_layout, batch_attention_mask, tree_attention_mask
 from ..drafters import Draft, Drafter, drafter_features
 from ..tree import TreeBuffers
@@ -50,7 +51,7 @@ def verify_forward(target, cache_arg: dict, tokens: torch.Tensor, buffers: TreeB
     dtype = target.get_output_embeddings().weight.dtype
     layout = layout or attention_layout(target)
     t0 = time.perf_counter()
-    with grouped_attention(tokens.numel() == 1), \
+    with grouped_attention(tokens.numel() == 1, _few_query_kernel(tokens)), \
             kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens[None], position_ids=(cache_len + buffers.depths)[None],
                      attention_mask=tree_attention_mask(next(iter(cache_arg.values())), buffers, cache_len, dtype,
@@ -74,10 +75,16 @@ def verify_rows(target, cache_arg: dict, drafts: list[Draft], cache_lens: list[i
     positions = torch.stack([n + pad(d.buffers.depths, (0, width - d.tokens.numel()))
                              for n, d in zip(cache_lens, drafts)])  # [B, N] each row's own positions
     mask = batch_attention_mask(valid, [d.buffers for d in drafts], width, dtype, layout or AttentionLayout())
-    with grouped_attention(), kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
+    with grouped_attention(small=_few_query_kernel(tokens)), \
+            kernels.context(tokens.numel()) if kernels is not None else contextlib.nullcontext():
         out = target(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                      output_hidden_states=True, return_dict=True, **cache_arg)
     return out, time.perf_counter() - t0
+
+
+def _few_query_kernel(tokens: torch.Tensor):
+    """The few-query attention kernel for a forward on ``tokens``' device (CPU only; None elsewhere or unbuilt)."""
+    return attention_kernel() if tokens.device.type == "cpu" else None
 
 
 def read_features(out, drafter: Drafter) -> torch.Tensor:
