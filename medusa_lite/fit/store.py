@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .._hf import output_weight
 from .._version import __version__
-from ..kernels import VerifyKernels, verify_linears
+from ..kernels import ATTENTION_SOURCE_ID, VerifyKernels, attention_kernel, verify_linears
 from ..machine import machine_fingerprint
 from ..paths import cache_dir
 from ..tree import tree_key
@@ -39,7 +39,8 @@ def cache_path(key: str) -> Path:
 def fit_key(fingerprint: dict, target_id: str, heads_id: str, candidates: list, sample: bool,
             kernel: str = "") -> str:
     """The cache key: machine, target, heads (their drafting is timed), the candidate trees, greedy or sampled
-    drafting, the packed verify path timed (``kernel``), the format and the library version."""
+    drafting, the packed verify path and the few-query attention kernel timed (``kernel``: their sources' ids), the
+    format and the library version."""
     blob = json.dumps({"format": FIT_FORMAT, "version": __version__, "machine": fingerprint, "target": target_id,
                        "heads": heads_id, "candidates": sorted(tree_key(t) for t in candidates), "sample": sample,
                        "kernel": kernel}, sort_keys=True)
@@ -145,9 +146,10 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
     linears = verify_linears(model.base_model)  # (the packed path's class, its row counts); memory read once
     kind, counts = linears if linears is not None else (None, ())
+    attention = f" attention {ATTENTION_SOURCE_ID}" if weight.device.type == "cpu" and attention_kernel() else ""
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
                   json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None,
-                  f"{kind.__name__}{list(counts)}{kind.source_id}" if kind is not None else "")
+                  (f"{kind.__name__}{list(counts)}{kind.source_id}" if kind is not None else "") + attention)
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
