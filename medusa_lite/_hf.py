@@ -85,7 +85,7 @@ def _install_grouped_attention() -> bool:
     return True
 
 
-SMALL_ATTENTION_QUERIES = 2  # queries per row up to which the few-query kernel beats torch's SDPA (fp32 and bf16)
+SMALL_ATTENTION_QUERIES = 6  # queries per row up to which the few-query kernel beats torch's SDPA (fp32 and bf16)
 
 
 def _install_small_attention() -> bool:
@@ -121,7 +121,8 @@ def _small_fits(query, key, value, mask, kwargs) -> bool:
     heads with a contiguous head dimension, an additive [B, 1, L, S] mask (or none for one query), nothing else."""
     batch, heads, queries, dim = query.shape
     if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16) or key.dtype != query.dtype
-            or value.dtype != query.dtype or queries > SMALL_ATTENTION_QUERIES or dim % 8 or key.shape != value.shape
+            or value.dtype != query.dtype or queries > SMALL_ATTENTION_QUERIES or dim % 8 or dim > 256
+            or key.shape != value.shape
             or key.stride() != value.stride() or key.stride(-1) != 1 or key.shape[0] != batch or key.shape[-1] != dim
             or heads % key.shape[1]):
         return False
@@ -149,12 +150,12 @@ def grouped_attention(single_query: bool = False, small=None):
     differently at a few: ~3 in 100, bf16 rounding). fp32 keeps torch's GQA kernel.
 
     With ``small``, medusa_lite's few-query attention kernel (:func:`medusa_lite.kernels.attention_kernel`, None where
-    it does not build; ``csrc/small_attention.cpp``), a CPU call of at most
-    :data:`SMALL_ATTENTION_QUERIES` queries per row (the root alone, a batched step's roots, two-node trees) takes it
-    instead: the queries sharing a key/value head read each cached key and value once (fp32 sums, results differ from
-    SDPA's by float rounding only). On the AMD Zen 4 of session 16, one thread, 300 cached keys: one fp32 query 42 ->
-    27 us, 8 rows 307 -> 185 us; bf16 296 -> 24 us, 8 rows 2,458 -> 166 us; from 4 queries a row on, SDPA is faster
-    and keeps them. On other devices, and outside this block, nothing changes."""
+    it does not build; ``csrc/small_attention.cpp``), a CPU call of at most :data:`SMALL_ATTENTION_QUERIES` queries
+    per row (the root alone, a batched step's roots, small trees) takes it instead: the queries sharing a key/value
+    head read each cached key and value once (fp32 sums, results differ from SDPA's by float rounding only). On the
+    AMD Zen 4 of session 16, one thread, 300 cached keys: one fp32 query 41 -> 19 us, 8 rows 298 -> 155 us; bf16
+    297 -> 24 us, 8 rows 2,385 -> 163 us; at 8 queries a row the two are level and SDPA keeps longer ones
+    (docs/hardware.md). On other devices, and outside this block, nothing changes."""
     if not _install_grouped_attention():
         yield
         return

@@ -2,14 +2,16 @@
 //
 // out[b, h, l] = softmax(scale * q[b, h, l] . k[b, h / G, s] + mask[b, 0, l, s]) over s, times v[b, h / G, s]
 //
-// A verify step asks for 1-16 queries per row against hundreds of cached keys; torch's CPU flash kernel is built for
-// blocks of queries and reads the cache at ~12 GB/s in that case (8 rows x 300 keys: ~0.3-0.7 ms a layer). Here the
-// G query heads sharing a key/value head and the L queries of a row are one block of G * L query vectors that reads
-// each key and value once, in order: scores (one fp32 dot product per query and key), the mask added, a softmax per
-// query row, then the values weighted. Keys a mask sets to the dtype's minimum (a tree's other branches, holes,
-// padding) get exactly zero weight, as in SDPA. Sums are fp32 in a fixed order, so results differ from SDPA's by
-// float rounding only. fp32 or bf16 inputs (bf16 widened to fp32 in registers, the output rounded back); the key and
-// value heads may be views with any strides but a contiguous last dimension (a cache with room to grow); AVX2 + FMA.
+// A verify step asks for 1-6 queries per row against hundreds of cached keys; torch's CPU flash kernel is built for
+// blocks of queries and reads the cache slowly in that case (8 rows x 300 keys: ~0.3-0.7 ms a layer in fp32, and a
+// slow path for one bf16 query: 2.4 ms). Here the G query heads sharing a key/value head and the L queries of a row
+// are one block of G * L query rows that reads each key and value once, in order: scores as a small GEMM (blocks of 8
+// keys transposed in registers, up to BLOCK_ROWS query rows a pass, fp32 sums; the last S % 8 keys one dot product
+// each), the mask added, a softmax per query row, then the values weighted. Keys a mask sets to the dtype's minimum
+// (a tree's other branches, holes, padding) get exactly zero weight, as in SDPA. Sums are fp32 in a fixed order, so
+// results differ from SDPA's by float rounding only. fp32 or bf16 inputs (bf16 widened to fp32 in registers, the
+// output rounded back); the key and value heads may be views with any strides but a contiguous last dimension (a
+// cache with room to grow); AVX2 + FMA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -49,6 +51,50 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)), zero_below);
 }
 
+constexpr int MAX_DIM = 256;   // head dimension at most
+constexpr int BLOCK_ROWS = 6;  // query rows per pass over a block of keys (2 x 6 accumulators + 3 ymm of 16)
+
+// 8 x 8 floats transposed in registers: r[i][j] becomes r[j][i]
+__attribute__((target("avx2,fma"))) inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// scores[r0 + i, s0 .. s0 + 8] for ROWS query rows (q [R, D]) against a transposed block of 8 keys (kt [D, 8]):
+// the even and odd coordinates summed apart (two chains a row hide the FMA latency), then added
+template <int ROWS>
+__attribute__((target("avx2,fma"))) inline void block_scores(const float* q, const float* kt, float* scores,
+                                                             int64_t r0, int64_t s0, int64_t S, int64_t D) {
+  __m256 acc[ROWS][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < ROWS; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    const __m256 even = _mm256_load_ps(kt + d * 8), odd = _mm256_load_ps(kt + (d + 1) * 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; ++i) {
+      const float* qi = q + (r0 + i) * D + d;
+      acc[i][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(qi), even, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(qi + 1), odd, acc[i][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < ROWS; ++i) _mm256_storeu_ps(scores + (r0 + i) * S + s0, _mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
 // one row's softmax in place (n scores, fp32): max, e^(x - max), normalized
 __attribute__((target("avx2,fma"))) void softmax_row(float* x, int64_t n) {
   float top = -INFINITY;
@@ -77,7 +123,29 @@ template <typename T>
 __attribute__((target("avx2,fma"))) void attend(const float* q, const T* k, const T* v, int64_t kv_stride,
                                                 const float* mask, int64_t mask_stride, float* scores, float* out,
                                                 int64_t R, int64_t L, int64_t S, int64_t D) {
-  for (int64_t s = 0; s < S; ++s) {
+  alignas(32) float kt[MAX_DIM * 8];  // a block of 8 keys, transposed: kt[d * 8 + i] = key i's coordinate d
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) {  // whole blocks of 8 keys: a small GEMM of the query rows by the block
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 rows[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) rows[i] = load8(k + (s + i) * kv_stride + c);
+      transpose8(rows);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) _mm256_store_ps(kt + (c + j) * 8, rows[j]);
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += BLOCK_ROWS) {
+      switch (std::min<int64_t>(BLOCK_ROWS, R - r0)) {
+        case 6: block_scores<6>(q, kt, scores, r0, s, S, D); break;
+        case 5: block_scores<5>(q, kt, scores, r0, s, S, D); break;
+        case 4: block_scores<4>(q, kt, scores, r0, s, S, D); break;
+        case 3: block_scores<3>(q, kt, scores, r0, s, S, D); break;
+        case 2: block_scores<2>(q, kt, scores, r0, s, S, D); break;
+        default: block_scores<1>(q, kt, scores, r0, s, S, D); break;
+      }
+    }
+  }
+  for (; s < S; ++s) {  // the last keys, one dot product each
     const T* ks = k + s * kv_stride;
     for (int64_t r = 0; r < R; ++r) {
       const float* qr = q + r * D;
@@ -148,7 +216,8 @@ torch::Tensor small_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   TORCH_CHECK(k.stride(3) == 1 && k.scalar_type() == v.scalar_type() && q.scalar_type() == k.scalar_type(),
               "small_attention: contiguous head dimension, one dtype");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0, "small_attention: shapes");
-  TORCH_CHECK(q.size(3) % 8 == 0 && q.size(3) >= 8, "small_attention: head dimension a multiple of 8");
+  TORCH_CHECK(q.size(3) % 8 == 0 && q.size(3) >= 8 && q.size(3) <= MAX_DIM,
+              "small_attention: head dimension a multiple of 8, at most 256");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "small_attention: fp32 or bf16");
   const auto qf = q.to(at::kFloat).contiguous();
   torch::Tensor m;
