@@ -144,10 +144,10 @@ class Engine:
     fails on its own: its output is its solo output whatever the other rows do."""
 
     def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 16,
-                 max_batched_tokens: int = 128, max_prefill_tokens: int = PREFILL_TOKENS):
+                 max_batched_tokens: int = 128, max_prefill_tokens: int = PREFILL_TOKENS, arrival_window: float = 0.02):
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.arrival_window = max_prefill_tokens, arrival_window
         self.batch = model.decoder(max_step_tokens=max_batched_tokens)
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
         self.limit = context_length(model.base_model.config)
@@ -234,6 +234,8 @@ class Engine:
                     self._cond.wait()
                 if self._closed and not self.running:
                     return
+                if not self.running:
+                    self._await_arrivals()
                 joining = []
                 while self._pending and len(self.running) + len(joining) < self.max_batch_size:
                     joining.append(self._pending.popleft())
@@ -251,6 +253,17 @@ class Engine:
                 for seq in finished:
                     self._finish(seq.tag)
             self.metrics.running.set(len(self.running))
+
+    def _await_arrivals(self) -> None:
+        """An idle worker woken by a request waits up to ``arrival_window`` seconds (under the lock) for the requests
+        that arrive with it, so that concurrent clients' prompts share one prefill forward instead of queueing behind
+        the first one's."""
+        deadline = time.perf_counter() + self.arrival_window
+        while len(self._pending) < self.max_batch_size and not self._closed:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _join(self, requests: list[list[Job]]) -> None:
         """Prefill the joining requests, several prompts in each forward (:func:`~medusa_lite.decode.prefill_chunks`;

@@ -56,6 +56,8 @@ class Settings:
     max_batch_size: int = option(16, "requests decoded at once (continuous batching); 1: one at a time")
     max_batched_tokens: int = option(128, "tree tokens one verify step may hold, all rows together (trees are "
                                           "cut to fit)")
+    arrival_window_ms: float = option(20.0, "an idle server waits this long after a request for others arriving with "
+                                            "it (their prompts then share one prefill forward); 0: no wait")
     max_prefill_tokens: int = option(256, "prompt tokens one prefill forward may hold when requests join together "
                                           "(prompts x the longest; a longer prompt is prefilled alone)")
     default_max_tokens: int = option(256, "max_tokens when a request gives none (capped by the context window)")
@@ -67,7 +69,7 @@ class Settings:
     def __post_init__(self) -> None:
         checks = {"port": 0 <= self.port < 65536, "max_queue": self.max_queue >= 0,
                   "max_batch_size": self.max_batch_size >= 1, "max_batched_tokens": self.max_batched_tokens >= 1,
-                  "max_prefill_tokens": self.max_prefill_tokens >= 1,
+                  "max_prefill_tokens": self.max_prefill_tokens >= 1, "arrival_window_ms": self.arrival_window_ms >= 0,
                   "default_max_tokens": self.default_max_tokens >= 1, "max_body_bytes": self.max_body_bytes >= 1024,
                   "dtype": self.dtype in ("fp32", "bf16", "fp16"), "shutdown_timeout": self.shutdown_timeout >= 0}
         bad = [name for name, ok in checks.items() if not ok]
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("tree fitted for %s decoding:\n%s", decoding, fit.report())
         metrics.record_fit(fit, decoding)
     engine = Engine(model, tokenizer, metrics, settings.max_queue, settings.max_batch_size, settings.max_batched_tokens,
-                    settings.max_prefill_tokens)
+                    settings.max_prefill_tokens, settings.arrival_window_ms / 1000)
     log.info("continuous batching: up to %d requests at once, %d tree tokens per step", engine.max_batch_size,
              settings.max_batched_tokens)
     for decoding in ("greedy", "sample"):

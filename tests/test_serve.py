@@ -564,3 +564,40 @@ def test_documented_metrics_exist_and_loadtest_runs(server, capsys):
     loadtest.main(["--url", server.url, "--concurrency", "1,2", "--max-tokens", "4"])
     rows = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d", line)]
     assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+
+
+def test_an_idle_worker_waits_for_requests_arriving_together():
+    """An idle worker woken by one request waits ``arrival_window`` for the requests arriving with it (so their prompts
+    share a prefill forward), and stops waiting as soon as the batch is full; with no window it does not wait."""
+    import collections
+    import threading
+    import time
+
+    from medusa_lite.serve.engine import Engine
+
+    engine = Engine.__new__(Engine)  # the admission state only: no model
+    engine._pending, engine._cond, engine._closed = collections.deque(["first"]), threading.Condition(), False
+    engine.max_batch_size, engine.arrival_window = 3, 0.5
+
+    def arrive():
+        time.sleep(0.05)
+        with engine._cond:
+            engine._pending.append("second")
+            engine._cond.notify()
+
+    threading.Thread(target=arrive).start()
+    start = time.perf_counter()
+    with engine._cond:
+        engine._await_arrivals()
+    assert list(engine._pending) == ["first", "second"] and time.perf_counter() - start >= 0.45
+    engine._pending.append("third")  # the batch is full: no wait
+    start = time.perf_counter()
+    with engine._cond:
+        engine._await_arrivals()
+    assert time.perf_counter() - start < 0.1
+    engine._pending.popleft()
+    engine.arrival_window = 0.0
+    start = time.perf_counter()
+    with engine._cond:
+        engine._await_arrivals()
+    assert time.perf_counter() - start < 0.1
