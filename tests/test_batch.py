@@ -222,6 +222,26 @@ def test_batch_trees_shrink_as_the_batch_grows():
     assert fit.batch_trees(16)[0] == []
 
 
+def test_batch_trees_price_drafting_shared_by_the_rows():
+    """Rows drafted together share the drafter's passes: a step of B rows pays one row's drafting plus B - 1 times
+    the probe's extra per row, so a tree whose drafting one row cannot afford pays once it is shared."""
+    from medusa_lite.fit import Candidate
+    from medusa_lite.fit.pricing import DRAFT_BATCH, draft_per_row
+
+    assert draft_per_row(0.008, None, 8) == 0.008  # a probe that did not time rows together: each row pays its own
+    assert draft_per_row(0.008, 0.015, 1) == 0.008
+    assert draft_per_row(0.008, 0.015, DRAFT_BATCH) == pytest.approx(0.015 / DRAFT_BATCH)
+    assert draft_per_row(0.008, 0.015, 16) == pytest.approx((0.008 + 15 * 0.001) / 16)
+    candidates = [Candidate([], [1.0] * 3, [1.0] * 3, [100] * 3), Candidate([[0]], [1.8] * 3, [2.0] * 3, [100] * 3)]
+    flat = {256: {n: 0.010 + 0.0001 * n for n in (1, 2, 4, 8, 16, 32, 64)}}
+    measured = {"latency": flat, "draft": {"[[0]]": 0.003}, "overhead": 0.0}
+    alone = HardwareFit({}, [[Rung([], 1.0, 0.0101)]] * 3, measured=measured, candidates=candidates)
+    shared = HardwareFit({}, [[Rung([], 1.0, 0.0101)]] * 3, measured=measured | {"draft_batch": {"[[0]]": 0.004}},
+                         candidates=candidates)
+    assert alone.batch_trees(8)[0] == []  # 1.8 tokens in 1.45 ms (its share of the forward) + 3 ms: 404 tok/s < 740
+    assert shared.batch_trees(8)[0] == [[0]]  # + 0.5 ms of drafting per row: 923 tok/s
+
+
 def test_batch_guards_share_what_they_learned_across_batch_sizes():
     """A guard for a new batch size starts where the acceptance realized at other sizes predicts fastest."""
     from medusa_lite.fit import Candidate, batch_guards
@@ -423,6 +443,24 @@ def test_packed_single_query_attention_matches_in_half_precision():
     for a, b in ((plain, packed), (plain1, packed1)):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_rows_with_the_same_plan_draft_together(monkeypatch):
+    """A batched step drafts the rows whose plans share a batch_key in one propose call (one pass over the drafter's
+    weights per level); a row sampling from a static tree draws with its own generator and is drafted alone."""
+    from medusa_lite.drafters.eagle3 import Eagle3Drafter
+
+    calls = []
+    real = Eagle3Drafter.propose
+    monkeypatch.setattr(Eagle3Drafter, "propose", lambda self, state, *a: calls.append(len(state.ids))
+                        or real(self, state, *a))
+    model = random_heads(MedusaModel(tiny_model(), MedusaConfig(num_heads=4, head_type="eagle3")), std=0.5)
+    batch = model.decoder(fit=False)
+    for p in _prompts():
+        batch.add(model.sequence(p, max_new_tokens=8, do_sample=False, tree=DYNAMIC))
+    batch.add(model.sequence(_prompts()[0], max_new_tokens=8, do_sample=True, tree=[[0], [1], [0, 0]]))
+    batch.step()
+    assert sorted(calls) == [1, 4]
 
 
 def test_compaction_ignores_the_left_padding_it_cannot_free(monkeypatch):

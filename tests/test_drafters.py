@@ -62,6 +62,38 @@ def test_propose_commit_batch_rows(name):
             drafter.propose(state, DynamicTree(nodes=5, depth=3), 8)
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if issubclass(DRAFTERS[n], PathDrafter)])
+@pytest.mark.parametrize("shape", [build_buffers([[0], [1], [0, 0], [0, 1], [0, 0, 0]]), DynamicTree(nodes=6, depth=3)])
+def test_rows_drafted_together_equal_rows_drafted_alone(name, shape, monkeypatch):
+    """propose drafts all rows in lockstep, each level of every row in one advance_rows call (one pass over the
+    weights); each row's draft is the one it gets alone, whatever the other rows' prompt lengths, pending positions
+    and depth caps."""
+    model = _model(name)
+    drafter = model.drafter
+    ids = [torch.tensor([5, 9, 17, 2]), torch.tensor([3, 4, 8, 21, 30, 6, 7]), torch.tensor([11, 12])]
+    hidden = _features(model, torch.tensor([[5, 9, 17, 3, 3, 3, 3], [3, 4, 8, 21, 30, 6, 7], [11, 3, 3, 3, 3, 3, 3]]))
+    verify = torch.randn(3, 3, hidden.shape[-1], generator=torch.Generator().manual_seed(0))
+    accepted = [torch.tensor([0, 1, 2]), torch.tensor([0]), torch.tensor([0, 2])]
+    after = [torch.cat([row, torch.tensor(extra)]) for row, extra in zip(ids, ([40, 41, 42], [50], [60, 61]))]
+    depths = [8, 2, 0] if isinstance(shape, DynamicTree) else 8
+
+    def state(rows):
+        s = drafter.start([ids[b] for b in rows], hidden[rows])
+        drafter.commit(s, [accepted[b] for b in rows], verify[rows], [after[b] for b in rows])
+        return s
+
+    calls = []
+    real = type(drafter).advance_rows
+    monkeypatch.setattr(type(drafter), "advance_rows", lambda self, ctxs, requests: calls.append(len(requests))
+                        or real(self, ctxs, requests))
+    together = drafter.propose(state([0, 1, 2]), shape, depths)
+    assert calls == ([2, 2, 1] if isinstance(shape, DynamicTree) else [3, 3, 3])  # a level of every drafting row a call
+    for b in range(3):
+        alone = drafter.propose(state([b]), shape, depths[b] if isinstance(depths, list) else depths)[0]
+        assert torch.equal(together[b].tokens, alone.tokens), f"row {b}"
+        assert together[b].buffers.parents == alone.buffers.parents
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_training_forward_loss_and_ranked(name):
     """forward + loss train only the drafter's own weights; ranked matches forward's ranking."""

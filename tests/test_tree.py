@@ -201,8 +201,8 @@ def test_dynamic_tree_stops_growing_below_min_prob():
     model = _hydra()
     hidden, ids = torch.randn(64), torch.tensor([5, 9, 17])
     levels = []
-    advance = model.drafter.advance
-    model.drafter.advance = lambda ctx, depth, *a: levels.append(depth) or advance(ctx, depth, *a)
+    advance = model.drafter.advance_rows
+    model.drafter.advance_rows = lambda ctxs, requests: levels.extend(r[0] for r in requests) or advance(ctxs, requests)
     full = model.drafter.draft_row(hidden, ids, DynamicTree(nodes=9, depth=3, topk=3, expand=3), 8)
     assert levels == [0, 1, 2]
     levels.clear()  # every path probability is below 0.999: one level (the root's children), then stop

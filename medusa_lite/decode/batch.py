@@ -164,7 +164,7 @@ class SpeculativeBatch:
         tree = None  # decided by finished steps only, before any row drafts
         if batch > 1 and self.guards is not None:
             tree = self.guards.tree(batch, max(seq.cache_len for seq in self.rows))
-        drafts = [self._draft(b, seq, batch, tree) for b, seq in enumerate(self.rows)]
+        drafts = self._draft(tree)
         out, seconds = self._verify(drafts)
         results = [seq.accept(draft, out.logits[b, :draft.tokens.numel()])
                    for b, (seq, draft) in enumerate(zip(self.rows, drafts))]
@@ -208,16 +208,30 @@ class SpeculativeBatch:
             seq.finish()
 
     # ------------------------------------------------------------------ the pieces of a step
-    def _draft(self, b: int, seq: Sequence, batch: int, tree) -> Draft:
-        max_depth = seq.stopper.remaining - 1
-        if self.limit is not None:
-            max_depth = min(max_depth, self.limit - seq.cache_len - 1)
-        plan = seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan
+    def _draft(self, tree) -> list[Draft]:
+        """Every row's draft for this step. Rows whose plans share a ``batch_key`` (e.g. greedy rows given the same
+        tree) are drafted in one plan call, each level of all of them in one pass over the drafter's weights; a row
+        whose plan has none (sampling from a static tree: its own draws) is drafted alone."""
+        plans = [seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan for seq in self.rows]
+        groups: dict[object, list[int]] = {}
+        for b, plan in enumerate(plans):
+            key = getattr(plan, "batch_key", None)
+            groups.setdefault(("row", b) if key is None else key, []).append(b)
+        drafts: list[Draft | None] = [None] * len(self.rows)
         with self.drafter.linears():
-            (draft,) = plan(self.state.rows([b]), max_depth)
+            for rows in groups.values():
+                depths = [self._max_depth(self.rows[b]) for b in rows]
+                drafted = plans[rows[0]](self.state.rows(rows), depths[0] if len(rows) == 1 else depths)
+                for b, draft in zip(rows, drafted):
+                    drafts[b] = draft
         if self.max_step_tokens is not None:
-            draft = first_nodes(draft, max(1, self.max_step_tokens // batch))
-        return draft
+            drafts = [first_nodes(draft, max(1, self.max_step_tokens // len(self.rows))) for draft in drafts]
+        return drafts
+
+    def _max_depth(self, seq: Sequence) -> int:
+        """The deepest tree ``seq`` may verify: no more tokens than it has left, no position past the context."""
+        max_depth = seq.stopper.remaining - 1
+        return max_depth if self.limit is None else min(max_depth, self.limit - seq.cache_len - 1)
 
     def _verify(self, drafts: list[Draft]):
         """One target forward over every row's tree: (output, seconds)."""

@@ -19,8 +19,10 @@ from ..drafters import Draft, Drafter, DraftState
 from ..tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers,
                     lookup_continuation, merge_chain, parse_tree, tree_key, truncate)
 
-# A step's plan: which tree the drafter fills this step. (drafter state, deepest allowed depth) -> one Draft per row
-Plan = Callable[[DraftState, int], list[Draft]]
+# A step's plan: which tree the drafter fills this step. (drafter state, deepest allowed depth: one for all rows or
+# one per row) -> one Draft per row. A plan with a ``batch_key`` (not None) drafts every row of a batched step whose
+# plan has the same key in one call (the rows' drafting then shares each pass over the drafter's weights).
+Plan = Callable[[DraftState, "int | list[int]"], list[Draft]]
 
 
 class BatchPlanner(Protocol):
@@ -54,8 +56,22 @@ class StaticTree:
         depth = max(0, min(max_depth, self.full.depth))
         return self.full if depth == self.full.depth else shared_buffers(truncate(self.choices, depth), self.device)
 
-    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
-        return self.drafter.propose(state, self.get(max_depth), max_depth, self.sampler)
+    @property
+    def batch_key(self):
+        """Rows of a batched step with this key draft together; a sampling plan's draws are its row's own (None)."""
+        return ("static", tree_key(self.choices)) if self.sampler is None else None
+
+    def __call__(self, state: DraftState, max_depth: int | list[int]) -> list[Draft]:
+        if isinstance(max_depth, int):
+            return self.drafter.propose(state, self.get(max_depth), max_depth, self.sampler)
+        drafts: list[Draft | None] = [None] * len(max_depth)
+        by_depth: dict[int, list[int]] = {}  # rows whose cap gives the same (truncated) tree draft together
+        for b, depth in enumerate(max_depth):
+            by_depth.setdefault(min(depth, self.full.depth), []).append(b)
+        for depth, rows in by_depth.items():
+            for b, draft in zip(rows, self.drafter.propose(state.rows(rows), self.get(depth), depth, self.sampler)):
+                drafts[b] = draft
+        return drafts
 
 
 class GrownTree:
@@ -65,7 +81,11 @@ class GrownTree:
         drafter.require_dynamic_trees()
         self.drafter, self.tree = drafter, tree
 
-    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
+    @property
+    def batch_key(self):
+        return ("grown", self.tree)
+
+    def __call__(self, state: DraftState, max_depth: int | list[int]) -> list[Draft]:
         return self.drafter.propose(state, self.tree, max_depth)
 
 
@@ -76,9 +96,15 @@ class PromptLookup:
     def __init__(self, plan: Plan, tokens: int, ngram: int = 3):
         self.plan, self.tokens, self.ngram = plan, tokens, ngram
 
-    def __call__(self, state: DraftState, max_depth: int) -> list[Draft]:
-        return [with_lookup_branch(draft, ids, self.tokens, self.ngram, max_depth)
-                for draft, ids in zip(self.plan(state, max_depth), state.ids)]
+    @property
+    def batch_key(self):
+        inner = getattr(self.plan, "batch_key", None)
+        return None if inner is None else ("lookup", inner, self.tokens, self.ngram)
+
+    def __call__(self, state: DraftState, max_depth: int | list[int]) -> list[Draft]:
+        depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(state.ids)
+        return [with_lookup_branch(draft, ids, self.tokens, self.ngram, depth)
+                for draft, ids, depth in zip(self.plan(state, max_depth), state.ids, depths)]
 
 
 def with_lookup_branch(draft: Draft, ids: torch.Tensor, tokens: int, ngram: int, max_depth: int) -> Draft:

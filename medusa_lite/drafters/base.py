@@ -27,7 +27,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from ..tree import DynamicTree, TreeBuffers
+from ..tree import DynamicTree, TreeBuffers, buffers_from_parents, build_buffers
 from ..verify import Proposals
 
 
@@ -152,11 +152,13 @@ class Drafter(nn.Module):
         last = torch.tensor([row.numel() - 2 for row in ids], device=hidden.device)  # the prompt's last position
         return DraftState(list(ids), hidden[torch.arange(len(ids), device=hidden.device), last])
 
-    def propose(self, state: DraftState, shape: TreeShape, max_depth: int, sampler=None) -> list[Draft]:
+    def propose(self, state: DraftState, shape: TreeShape, max_depth: int | list[int], sampler=None) -> list[Draft]:
         """One :class:`Draft` per row: a static tree's tokens (``shape``: its buffers, capped at ``max_depth``
         by the caller) or a tree grown within the budget ``shape`` (a :class:`DynamicTree`), no deeper
-        than ``max_depth``. With a ``sampler`` tokens are drawn from the drafter's distribution."""
-        return [self.draft_row(state.hidden[b], ids, shape, max_depth, sampler,
+        than ``max_depth`` (one for all rows, or one per row). With a ``sampler`` tokens are drawn from the
+        drafter's distribution."""
+        depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(state.ids)
+        return [self.draft_row(state.hidden[b], ids, shape, depths[b], sampler,
                                None if state.cache is None else state.cache[b]) for b, ids in enumerate(state.ids)]
 
     def draft_row(self, hidden: torch.Tensor, ids: torch.Tensor, shape: TreeShape, max_depth: int, sampler=None,
@@ -212,25 +214,73 @@ class PathDrafter(Drafter):
         Returns [M, V'] logits of their children."""
         raise NotImplementedError
 
+    def begin_rows(self, hidden: list[torch.Tensor], ids: list[torch.Tensor], caches: list) -> list:
+        """:meth:`begin` for several rows at once (a drafter may batch their work: one pass over its weights)."""
+        return [self.begin(h, row, cache) for h, row, cache in zip(hidden, ids, caches)]
+
+    def advance_rows(self, ctxs: list, requests: list[tuple]) -> list[torch.Tensor]:
+        """:meth:`advance` for several rows at once: ``requests[r]`` = (depth, parent_rows, tokens, nodes, parents)
+        of row context ``ctxs[r]`` -> each row's [M_r, V'] logits (a drafter may batch them: one pass over its
+        weights for all rows, the bulk of a step's drafting once many rows share steps)."""
+        return [self.advance(ctx, *request) for ctx, request in zip(ctxs, requests)]
+
     @torch.no_grad()
     def draft_row(self, hidden, ids, shape, max_depth, sampler=None, cache=None) -> Draft:
-        if isinstance(shape, DynamicTree):
-            return self.grow(self.begin(hidden, ids, cache), ids, min(shape.depth, max_depth), shape)
-        if shape.num_nodes == 1:  # the root alone: nothing to draft
-            return Draft(ids[-1:].clone(), shape)
-        return self.fill(self.begin(hidden, ids, cache), ids, shape, sampler)
+        return self.propose(DraftState([ids], hidden[None], None if cache is None else [cache]), shape, max_depth,
+                            sampler)[0]
 
-    def fill(self, ctx, ids: torch.Tensor, buffers: TreeBuffers, sampler) -> Draft:
+    @torch.no_grad()
+    def propose(self, state: DraftState, shape: TreeShape, max_depth: int | list[int], sampler=None) -> list[Draft]:
+        """Every row's tree drafted in lockstep: each level of all rows in one :meth:`advance_rows` call.
+        ``max_depth``: one for all rows, or per row (a grown tree's cap; a static tree comes capped)."""
+        rows = len(state.ids)
+        depths = max_depth if isinstance(max_depth, list) else [max_depth] * rows
+        grown = isinstance(shape, DynamicTree)
+        drafting = [b for b in range(rows) if (min(shape.depth, depths[b]) >= 1 if grown else shape.num_nodes > 1)]
+        drafts: list[Draft | None] = [None] * rows
+        for b in set(range(rows)) - set(drafting):  # the root alone: nothing to draft
+            root = state.ids[b][-1:].clone()
+            drafts[b] = Draft(root, build_buffers([], root.device) if grown else shape)
+        ctxs = self.begin_rows([state.hidden[b] for b in drafting], [state.ids[b] for b in drafting],
+                               [None if state.cache is None else state.cache[b] for b in drafting])
+        walks = [self.grow(ctx, state.ids[b], min(shape.depth, depths[b]), shape) if grown
+                 else self.fill(ctx, state.ids[b], shape, sampler) for b, ctx in zip(drafting, ctxs)]
+        for b, draft in zip(drafting, self._lockstep(ctxs, walks)):
+            drafts[b] = draft
+        return drafts
+
+    def _lockstep(self, ctxs: list, walks: list) -> list[Draft]:
+        """Run the rows' drafting generators (:meth:`fill`, :meth:`grow`: each yields its next level's
+        :meth:`advance` request, is sent the logits, and returns its Draft) together, a level a call."""
+        drafts: list[Draft | None] = [None] * len(walks)
+        waiting: dict[int, tuple] = {}
+
+        def resume(r: int, logits) -> None:
+            try:
+                waiting[r] = walks[r].send(logits)
+            except StopIteration as done:
+                drafts[r] = done.value
+
+        for r in range(len(walks)):
+            resume(r, None)
+        while waiting:
+            asked, requests = list(waiting), list(waiting.values())
+            waiting.clear()
+            for r, logits in zip(asked, self.advance_rows([ctxs[r] for r in asked], requests)):
+                resume(r, logits)
+        return drafts
+
+    def fill(self, ctx, ids: torch.Tensor, buffers: TreeBuffers, sampler):
         """A static tree's tokens, level by level; with a ``sampler`` each row's children are drawn from the
-        drafter's processed distribution (their :class:`Proposals` kept for verification)."""
+        drafter's processed distribution (their :class:`Proposals` kept for verification). A generator
+        (:meth:`_lockstep`): yields each level's :meth:`advance` request, returns the Draft."""
         n = buffers.num_nodes
         tokens = ids[-1].repeat(n)  # [N], root at 0
         row = torch.full((n,), -1, dtype=torch.long, device=ids.device)  # where each node was drawn from
         rank = torch.zeros(n, dtype=torch.long, device=ids.device)
         qs, draws, offset = [], [], 0
         for d, level in enumerate(buffers.levels):
-            logits = self.advance(ctx, d, level.parent_row, tokens[level.expand], level.expand.tolist(),
-                                  buffers.parents)  # [M, V']
+            logits = yield d, level.parent_row, tokens[level.expand], level.expand.tolist(), buffers.parents  # [M, V']
             if sampler is None:
                 ranked = self.token_ids(logits.topk(level.topk, dim=-1).indices)  # [M, topk]
             else:
@@ -247,14 +297,13 @@ class PathDrafter(Drafter):
         drawn = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in draws])
         return Draft(tokens, buffers, Proposals(torch.cat(qs), drawn, row, rank, getattr(self, "draft_ids", None)))
 
-    def grow(self, ctx, ids: torch.Tensor, depth: int, tree: DynamicTree) -> Draft:
+    def grow(self, ctx, ids: torch.Tensor, depth: int, tree: DynamicTree):
         """A tree grown for this step (EAGLE-2): level d expands the ``tree.expand`` best nodes of depth d into
         their ``tree.topk`` most likely children, scored by the summed log-probability of their path; the
         ``tree.nodes`` best scored nodes are kept. A child's score is below its parent's (ties broken by depth),
         so the kept set contains every kept node's ancestors. Candidate c is node c + 1 (the root is 0).
-        Growth stops after a level whose best node's path probability is below ``tree.min_prob``."""
-        from ..tree import build_buffers, buffers_from_parents
-
+        Growth stops after a level whose best node's path probability is below ``tree.min_prob``. A generator, as
+        :meth:`fill` is."""
         root = ids[-1:]
         if depth < 1:
             return Draft(root, build_buffers([], root.device))
@@ -266,7 +315,7 @@ class PathDrafter(Drafter):
         all_tokens, all_scores = [], []
         floor = math.log(tree.min_prob) if tree.min_prob > 0 else -math.inf
         for d in range(depth):
-            logits = self.advance(ctx, d, parent_rows, tokens, nodes, parents)  # [M, V']
+            logits = yield d, parent_rows, tokens, nodes, parents  # [M, V']
             logp, idx = torch.log_softmax(logits.float(), dim=-1).topk(tree.topk, dim=-1)  # [M, k]
             child_tokens = self.token_ids(idx).flatten()              # [M * k]
             child_scores = (scores[:, None] + logp - 1e-4).flatten()  # strictly below the parent

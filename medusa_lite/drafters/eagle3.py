@@ -29,6 +29,7 @@ from .._hf import text_config
 from ..config import DEFAULT_TREE
 from ..tree import truncate
 from .base import DraftState, PathDrafter
+from .eagle3_layer import DecoderLayer
 from .heads import heads_loss
 from .registry import MedusaConfig, register_drafter
 
@@ -56,75 +57,6 @@ class Eagle3Config(MedusaConfig):
         if sample:
             return truncate(DEFAULT_TREE, depth)
         return {"dynamic": {"nodes": 16, "depth": depth, "topk": 4, "expand": 4, "min_prob": 0.1}}
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (Llama's rotate-half layout): x [..., T, heads, D], cos / sin [..., T, 1, D] -> x's shape."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """positions [..., T] -> (cos, sin) [..., T, 1, D] for :func:`rope`."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    angles = positions.to(torch.float32)[..., None] * inv_freq                                      # [..., T, D/2]
-    angles = torch.cat([angles, angles], dim=-1)[..., None, :]                                      # [..., T, 1, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-class Attention(nn.Module):
-    """Grouped-query attention whose q/k/v read the 2H-wide ``[embeds ; hidden]`` input."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(2 * hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, theta: float):
-        """x [..., T, 2H] -> q [..., T, heads, D], k, v [..., T, kv_heads, D] (q, k rotated)."""
-        shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
-        cos, sin = rope_angles(positions, self.head_dim, theta, q.dtype)
-        return rope(q, cos, sin), rope(k, cos, sin), v
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    """vLLM's EAGLE-3 ``midlayer``: attention over ``[input_layernorm(embeds) ; hidden_norm(hidden)]``, residual
-    on ``hidden``, then ``post_attention_layernorm`` and the MLP. Returns the pre-norm output."""
-
-    def __init__(self, config: Eagle3Config):
-        super().__init__()
-        h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(h, config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-        self.mlp = MLP(h, config.intermediate_size)
-        self.input_layernorm = nn.RMSNorm(h, eps=eps)
-        self.hidden_norm = nn.RMSNorm(h, eps=eps)
-        self.post_attention_layernorm = nn.RMSNorm(h, eps=eps)
-
-    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = self.hidden_norm.weight.dtype  # norms in the drafter's dtype (under autocast the inputs are bf16)
-        return torch.cat([self.input_layernorm(embeds.to(dtype)), self.hidden_norm(hidden.to(dtype))], dim=-1)  # [.., 2H]
-
-    def finish(self, attn: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """attn [..., heads * D] (before o_proj), the layer's hidden input -> pre-norm output [..., H]."""
-        h = self.self_attn.o_proj(attn) + hidden
-        return self.mlp(self.post_attention_layernorm(h.to(self.post_attention_layernorm.weight.dtype))) + h
 
 
 SETTLE_EVERY = 16  # committed positions a row's cache holds unread before a commit reads them in
@@ -267,65 +199,106 @@ class Eagle3Drafter(PathDrafter):
     def start(self, ids: list[torch.Tensor], hidden: torch.Tensor) -> DraftState:
         """Prefill the drafter's cache over each row's prompt (features [B, L, 3H], tokens after each position)."""
         state = super().start(ids, hidden)
-        state.cache = [self._extend(None, hidden[b, : row.numel() - 1], row[1:]) for b, row in enumerate(ids)]
+        state.cache = self._extend_rows([None] * len(ids), [hidden[b, : row.numel() - 1] for b, row in enumerate(ids)],
+                                        [row[1:] for row in ids])
         return state
 
     def commit(self, state: DraftState, accepted, hidden, ids) -> None:
         """Each row's accepted positions (their target features, the tokens after them) join its cache: pending,
-        read in by the row's next draft (:meth:`settle`) or once :data:`SETTLE_EVERY` are pending."""
+        read in by the row's next draft (:meth:`settle_rows`) or once :data:`SETTLE_EVERY` are pending."""
+        full = []
         for b, (nodes, row) in enumerate(zip(accepted, ids)):
             cache = state.cache[b]
             tokens = row[cache.length + 1: cache.length + 1 + nodes.numel()]
             cache.pending.append((hidden[b, nodes.to(hidden.device)], tokens))
             if cache.length - cache.keys.shape[1] >= SETTLE_EVERY:
-                self.settle(cache)
+                full.append(cache)
+        self.settle_rows(full)
         super().commit(state, accepted, hidden, ids)
 
     def settle(self, cache: RowCache) -> RowCache:
-        """Read a row's pending positions into its cache (in place: every view of the row sees it), in one
-        drafter forward."""
-        if cache.pending:
-            features = torch.cat([f for f, _ in cache.pending])
-            tokens = torch.cat([t for _, t in cache.pending])
-            cache.pending = []
-            extended = self._extend(cache, features, tokens)
-            cache.keys, cache.values, cache.last = extended.keys, extended.values, extended.last
+        """Read a row's pending positions into its cache (in place: every view of the row sees it)."""
+        self.settle_rows([cache])
         return cache
 
-    def _extend(self, cache: RowCache | None, features: torch.Tensor, tokens: torch.Tensor) -> RowCache:
-        """Entries for the next n positions after a read-in ``cache``: features [n, 3H] of the target there,
-        tokens [n] that follow them."""
+    def settle_rows(self, caches: list[RowCache]) -> None:
+        """Read the rows' pending positions into their caches, in place, all rows in one drafter forward."""
+        todo = list({id(cache): cache for cache in caches if cache.pending}.values())
+        if not todo:
+            return
+        extended = self._extend_rows(todo, [torch.cat([f for f, _ in cache.pending]) for cache in todo],
+                                     [torch.cat([t for _, t in cache.pending]) for cache in todo])
+        for cache, new in zip(todo, extended):
+            cache.keys, cache.values, cache.last, cache.pending = new.keys, new.values, new.last, []
+
+    def _extend_rows(self, caches: list[RowCache | None], features: list[torch.Tensor],
+                     tokens: list[torch.Tensor]) -> list[RowCache]:
+        """Per row, entries for the next n_r positions after a read-in cache (None: an empty one): features [n_r, 3H]
+        of the target there, tokens [n_r] that follow them. One pass over the weights for all rows."""
         cfg, layer = self.config, self.midlayer
-        start = 0 if cache is None else cache.keys.shape[1]
-        n = tokens.numel()
-        positions = torch.arange(start, start + n, device=tokens.device)
-        hidden = self.fc(features.to(self.fc.weight.dtype))
-        q, k, v = layer.self_attn.qkv(layer.inputs(self.target_embed(tokens), hidden), positions, cfg.rope_theta)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)                          # [kv_heads, n, D]
-        if cache is not None:
-            k, v = torch.cat([cache.keys, k], dim=1), torch.cat([cache.values, v], dim=1)
-        allowed = torch.ones(1, start + n, dtype=torch.bool, device=tokens.device)  # the last query sees all
-        last = layer.finish(_attend(q[-1:], k, v, allowed), hidden[-1:])  # [1, H]: only the last output is read
-        return RowCache(k, v, last[0])
+        sizes = [t.numel() for t in tokens]
+        device = tokens[0].device
+        positions = torch.cat([torch.arange(start, start + n, device=device) for start, n in
+                               zip([0 if c is None else c.keys.shape[1] for c in caches], sizes)])
+        hidden = self.fc(torch.cat(features).to(self.fc.weight.dtype))      # [sum n, H]
+        q, k, v = layer.self_attn.qkv(layer.inputs(self.target_embed(torch.cat(tokens)), hidden), positions,
+                                      cfg.rope_theta)
+        keys, values, outs = [], [], []
+        for cache, q_r, k_r, v_r in zip(caches, q.split(sizes), k.split(sizes), v.split(sizes)):
+            k_r, v_r = k_r.transpose(0, 1), v_r.transpose(0, 1)              # [kv_heads, n, D]
+            if cache is not None:
+                k_r, v_r = torch.cat([cache.keys, k_r], dim=1), torch.cat([cache.values, v_r], dim=1)
+            allowed = torch.ones(1, k_r.shape[1], dtype=torch.bool, device=device)  # the last query sees all
+            outs.append(_attend(q_r[-1:], k_r, v_r, allowed))                # only the last output is read
+            keys.append(k_r)
+            values.append(v_r)
+        ends = torch.tensor(sizes, device=device).cumsum(0) - 1
+        last = layer.finish(torch.cat(outs), hidden[ends])                   # [R, H]
+        return [RowCache(k_r, v_r, last_r) for k_r, v_r, last_r in zip(keys, values, last)]
 
     def begin(self, hidden, ids, cache):
-        if cache is None:
+        return self.begin_rows([hidden], [ids], [cache])[0]
+
+    def begin_rows(self, hidden, ids, caches):
+        if any(cache is None for cache in caches):
             raise ValueError("an eagle3 drafter drafts from its own cache: build the state with start()")
-        return {"cache": self.settle(cache), "keys": [], "values": [], "entry": {}, "state": None}
+        self.settle_rows(caches)
+        return [{"cache": cache, "keys": [], "values": [], "entry": {}, "state": None} for cache in caches]
 
     def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
-        cache: RowCache = ctx["cache"]
-        if depth == 0:  # the root's children come from the last prefix entry, which already read the root
-            ctx["state"] = cache.last[None]
-            return self.logits(ctx["state"])
+        return self.advance_rows([ctx], [(depth, parent_rows, tokens, nodes, parents)])[0]
+
+    def advance_rows(self, ctxs, requests):
+        """Every row's level in one pass over the weights: the linears over all rows' nodes at once, attention per
+        row (each over its own cache and drafted path)."""
         cfg, layer = self.config, self.midlayer
-        m = tokens.numel()
-        parent_state = ctx["state"][parent_rows]                            # [M, H]
-        positions = torch.full((m,), cache.length - 1 + depth, device=tokens.device)
-        q, k, v = layer.self_attn.qkv(layer.inputs(self.target_embed(tokens), parent_state), positions,
-                                      cfg.rope_theta)
-        entries = len(ctx["entry"])
-        allowed = torch.zeros(m, cache.length + entries + m, dtype=torch.bool, device=tokens.device)
+        deeper = [r for r, (depth, *_) in enumerate(requests) if depth > 0]
+        for r, (depth, *_) in enumerate(requests):
+            if depth == 0:  # the root's children come from the last prefix entry, which already read the root
+                ctxs[r]["state"] = ctxs[r]["cache"].last[None]
+        if deeper:
+            sizes = [requests[r][2].numel() for r in deeper]
+            parent_state = torch.cat([ctxs[r]["state"][requests[r][1]] for r in deeper])  # [sum M, H]
+            device = parent_state.device
+            positions = torch.cat([torch.full((m,), ctxs[r]["cache"].length - 1 + requests[r][0], device=device)
+                                   for r, m in zip(deeper, sizes)])                  # a level's nodes: one position
+            tokens = torch.cat([requests[r][2] for r in deeper])
+            q, k, v = layer.self_attn.qkv(layer.inputs(self.target_embed(tokens), parent_state), positions,
+                                          cfg.rope_theta)
+            attn = [self._tree_attention(ctxs[r], requests[r][3], requests[r][4], *qkv)
+                    for r, *qkv in zip(deeper, q.split(sizes), k.split(sizes), v.split(sizes))]
+            for r, state in zip(deeper, layer.finish(torch.cat(attn), parent_state).split(sizes)):  # [M_r, H]
+                ctxs[r]["state"] = state
+        logits = self.logits(torch.cat([ctx["state"] for ctx in ctxs]))
+        return list(logits.split([ctx["state"].shape[0] for ctx in ctxs]))
+
+    @staticmethod
+    def _tree_attention(ctx, nodes: list[int], parents: list[int], q, k, v) -> torch.Tensor:
+        """One row's drafted nodes (q, k, v [M, heads or kv_heads, D]) attend to its cache and their own paths;
+        their keys and values join the row's drafted entries. -> [M, heads * D]"""
+        cache: RowCache = ctx["cache"]
+        m, entries = len(nodes), len(ctx["entry"])
+        allowed = torch.zeros(m, cache.length + entries + m, dtype=torch.bool, device=q.device)
         allowed[:, : cache.length] = True
         for i, node in enumerate(nodes):
             ancestor = parents[node]
@@ -339,8 +312,7 @@ class Eagle3Drafter(PathDrafter):
             ctx["entry"][node] = entries + i
         keys = torch.cat([cache.keys, *ctx["keys"]], dim=1)
         values = torch.cat([cache.values, *ctx["values"]], dim=1)
-        ctx["state"] = layer.finish(_attend(q, keys, values, allowed), parent_state)  # [M, H]
-        return self.logits(ctx["state"])
+        return _attend(q, keys, values, allowed)
 
     # ------------------------------------------------------------------ export
     @classmethod

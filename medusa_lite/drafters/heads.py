@@ -358,5 +358,19 @@ class HydraDrafter(HeadsDrafter, PathDrafter):
         return {"state": hidden[None]}  # [1, H]: the root's parent state is h_t
 
     def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
-        ctx["state"] = self.step(depth, ctx["state"][parent_rows], self.target_embed(tokens))  # [M, H]
-        return self.logits(ctx["state"], depth)
+        return self.advance_rows([ctx], [(depth, parent_rows, tokens, nodes, parents)])[0]
+
+    def advance_rows(self, ctxs, requests):
+        """The rows' nodes of one depth through head ``depth`` together (one pass over its weights and the
+        lm_head's)."""
+        logits: list[torch.Tensor | None] = [None] * len(requests)
+        by_depth: dict[int, list[int]] = {}
+        for r, (depth, *_) in enumerate(requests):
+            by_depth.setdefault(depth, []).append(r)
+        for depth, rows in by_depth.items():
+            sizes = [requests[r][2].numel() for r in rows]
+            parent = torch.cat([ctxs[r]["state"][requests[r][1]] for r in rows])              # [sum M, H]
+            state = self.step(depth, parent, self.target_embed(torch.cat([requests[r][2] for r in rows])))
+            for r, row_state, row_logits in zip(rows, state.split(sizes), self.logits(state, depth).split(sizes)):
+                ctxs[r]["state"], logits[r] = row_state, row_logits
+        return logits

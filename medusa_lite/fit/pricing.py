@@ -15,10 +15,12 @@ from .table import Candidate
 PLAIN = []                          # the root alone: plain decoding inside the speculative loop
 MAX_RUNGS = 4                       # candidate trees kept per ladder (plus the root alone)
 PRICED_BATCHES = (*range(2, 17), 24, 32, 48, 64)  # batch sizes priced ahead for decoding (between two: the smaller)
+DRAFT_BATCH = 8                     # rows the probe also times drafting for (a batched step drafts its rows together)
 
 
 def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]], draft_seconds: dict[str, float],
-              overhead: float, buckets=BUCKETS, max_rungs: int = MAX_RUNGS, batch: int = 1) -> list[list[Rung]]:
+              overhead: float, buckets=BUCKETS, max_rungs: int = MAX_RUNGS, batch: int = 1,
+              draft_batch: dict[str, float] | None = None) -> list[list[Rung]]:
     """Per bucket, the ladder of trees for this machine: the (up to ``max_rungs``) candidates predicted faster
     than plain decoding, fastest first, then the root alone, which is always last.
 
@@ -28,7 +30,9 @@ def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]],
     could pay). Ties go to the smaller tree. Pure: numbers in, ladders out.
 
     ``batch``: the rungs of ``batch`` rows verified together: B trees of N nodes are one forward of B x N
-    tokens (N: the widest tree, every row padded to it), drafting and bookkeeping are paid per row. A rung is
+    tokens (N: the widest tree, every row padded to it), bookkeeping is paid per row, and drafting per row as
+    :func:`draft_per_row` interpolates it from one row's (``draft_seconds``) and :data:`DRAFT_BATCH` rows'
+    (``draft_batch``; None: one row's, per row). A rung is
     stated per row (tokens per row and step, step seconds / B), so its tokens/s is the batch's total. As the batch grows
     the spare compute a tree spends is used by the other rows, so the ladders shrink toward the root alone.
     """
@@ -45,13 +49,25 @@ def fit_trees(candidates: list[Candidate], latency: dict[int, dict[int, float]],
                 nodes = max(nodes, _widest(c.tree))
             if batch * nodes > limit:
                 continue
-            step = latency_at(latency, batch * nodes, context) / batch + draft_seconds.get(tree_key(c.tree), 0.0) + overhead
+            key = tree_key(c.tree)
+            draft = draft_per_row(draft_seconds.get(key, 0.0), (draft_batch or {}).get(key), batch)
+            step = latency_at(latency, batch * nodes, context) / batch + draft + overhead
             rung = Rung(c.tree, tokens, step)
             if rung.tokens_per_second > plain.tokens_per_second:
                 rungs.append((rung, nodes))
         rungs.sort(key=lambda rn: (-round(rn[0].tokens_per_second, 9), rn[1]))
         ladders.append(_diverse([r for r, _ in rungs], max_rungs) + [plain])
     return ladders
+
+
+def draft_per_row(one: float, rows: float | None, batch: int) -> float:
+    """Drafting seconds per row of a step of ``batch`` rows, linear in the rows between one row's (``one``) and
+    :data:`DRAFT_BATCH` rows' (``rows``; None: each row pays ``one``): rows drafted together share the passes over
+    the drafter's weights, and each adds its own attention and bookkeeping."""
+    if rows is None or batch == 1:
+        return one
+    extra = max(rows - one, 0.0) / (DRAFT_BATCH - 1)  # each further row
+    return (one + (batch - 1) * extra) / batch
 
 
 def _diverse(rungs: list[Rung], max_rungs: int) -> list[Rung]:
@@ -92,7 +108,8 @@ class HardwareFit:
             return self.ladders
         if batch not in self._batch_ladders:
             self._batch_ladders[batch] = fit_trees(self.candidates, self.measured["latency"], self.measured["draft"],
-                                                   self.measured["overhead"], self.buckets, batch=batch)
+                                                   self.measured["overhead"], self.buckets, batch=batch,
+                                                   draft_batch=self.measured.get("draft_batch"))
         return self._batch_ladders[batch]
 
     def priced_batches(self) -> dict[int, list[list[Rung]]]:

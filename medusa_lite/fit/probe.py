@@ -16,6 +16,7 @@ from ..kv import attention_layout, extend_cache, new_cache
 from ..decode import make_plan, speculative_generate, verify_forward
 from ..drafters import drafter_features
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes
+from .pricing import DRAFT_BATCH
 
 PROBE_CACHE_LENGTHS = (128, 1024)
 # Sizes 3, 6 and 12 too: a GEMM's cost is a staircase in its rows on some CPUs (Intel MKL's AVX-512 fp32 GEMM takes
@@ -142,16 +143,20 @@ def _measure_latency(model, prompt, sizes, lat: _Latency, bar, deadline: float, 
 
 
 def draft_seconds(model, candidates: list, state, sampler=None) -> dict[str, float]:
-    """Per candidate tree (by :func:`~medusa_lite.tree.tree_key`), the faster of two drafting calls from ``state``."""
+    """Per candidate tree (by :func:`~medusa_lite.tree.tree_key`), the faster of two drafting calls from ``state``
+    (its rows drafted as a batched step drafts them: together where the tree's plan has a ``batch_key``, else one
+    at a time)."""
     draft: dict[str, float] = {}
     device = output_weight(model.base_model).device
     for tree in candidates:
         plan = make_plan(model.drafter, parse_tree(tree, model.config.num_heads), device, sampler)
+        together = len(state.ids) == 1 or getattr(plan, "batch_key", None) is not None
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             with model.drafter.linears():
-                plan(state, 8)
+                for rows in [list(range(len(state.ids)))] if together else [[b] for b in range(len(state.ids))]:
+                    plan(state.rows(rows), 8)
             _sync(device)
             times.append(time.perf_counter() - t0)
         draft[tree_key(tree)] = min(times)
@@ -170,7 +175,8 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     when ``budget_s`` is spent. With ``packed`` (:class:`medusa_lite.kernels.PackedLinears`) the sizes it
     covers are timed through it too; ``"packed_from"`` .. ``"packed_to"`` is then the longest run of sizes at
     each of which it was faster (0: never), and the latency table holds the path each size will take.
-    Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "overhead": s, "seconds": s,
+    Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "draft_batch": {tree_key: s}, "overhead": s,
+    "seconds": s,
     "packed_from": n, "packed_to": n, "stock_one": {cache_len: s}, "phases": {name: s}}``. ``sampler``: drafting
     is timed with it (sampled drafts), as decoding with sampling drafts.
     """
@@ -192,14 +198,17 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     bar.update(bar.total - 1 - bar.n)
     phases["latency"] = time.perf_counter() - start - phases["overhead"]
     # a real state to draft from: the prompt's features, its last token as the root
-    state = model.drafter.start([torch.cat([prompt, prompt[-1:]])],
-                                drafter_features(out.hidden_states, model.drafter.hidden_layers)[:, : prompt.numel()])
-    draft = draft_seconds(model, candidates, state, sampler)
+    ids = torch.cat([prompt, prompt[-1:]])
+    features = drafter_features(out.hidden_states, model.drafter.hidden_layers)[:, : prompt.numel()]
+    draft = draft_seconds(model, candidates, model.drafter.start([ids], features), sampler)
+    rows = model.drafter.start([ids] * DRAFT_BATCH, features.expand(DRAFT_BATCH, -1, -1))
+    draft_batch = draft_seconds(model, candidates, rows, sampler)  # rows of a batched step share the drafter's passes
     bar.update(1)
     bar.close()
     phases["drafting"] = time.perf_counter() - start - phases["overhead"] - phases["latency"]
     latency, packed_from, packed_to, stock_one = lat.result()
-    return {"latency": latency, "draft": draft, "overhead": overhead, "seconds": time.perf_counter() - start,
+    return {"latency": latency, "draft": draft, "draft_batch": draft_batch, "overhead": overhead,
+            "seconds": time.perf_counter() - start,
             "packed_from": packed_from, "packed_to": packed_to, "stock_one": stock_one, "phases": phases}
 
 

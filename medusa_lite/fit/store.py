@@ -17,6 +17,7 @@ from pathlib import Path
 from .._hf import output_weight
 from .._version import __version__
 from ..kernels import ATTENTION_SOURCE_ID, VerifyKernels, attention_kernel, verify_linears
+from .pricing import DRAFT_BATCH
 from ..machine import machine_fingerprint
 from ..paths import cache_dir
 from ..tree import tree_key
@@ -69,6 +70,7 @@ def check_measured(measured: dict) -> dict:
             or (packed_from and packed_to < packed_from)):
         raise ValueError(f"impossible packed range {packed_from!r}..{packed_to!r}")
     return {"latency": latency, "draft": {str(k): seconds(v) for k, v in measured["draft"].items()},
+            "draft_batch": {str(k): seconds(v) for k, v in measured.get("draft_batch", {}).items()},
             "overhead": seconds(measured["overhead"]), "seconds": seconds(measured.get("seconds", 0.0)),
             "packed_from": packed_from, "packed_to": packed_to,
             "stock_one": {int(c): seconds(s) for c, s in measured.get("stock_one", {}).items()},
@@ -146,10 +148,11 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
     linears = verify_linears(model.base_model)  # (the packed path's class, its row counts); memory read once
     kind, counts = linears if linears is not None else (None, ())
-    attention = f" attention {ATTENTION_SOURCE_ID}" if weight.device.type == "cpu" and attention_kernel() else ""
+    sources = f" attention {ATTENTION_SOURCE_ID}" if weight.device.type == "cpu" and attention_kernel() else ""
+    sources += f" draft_batch {DRAFT_BATCH}"  # probes before rows drafted together did not time them
     key = fit_key(fingerprint, json.dumps(model.config.target_fingerprint, sort_keys=True),
                   json.dumps(heads, sort_keys=True, default=str), candidates, sampler is not None,
-                  (f"{kind.__name__}{list(counts)}{kind.source_id}" if kind is not None else "") + attention)
+                  (f"{kind.__name__}{list(counts)}{kind.source_id}" if kind is not None else "") + sources)
     measured, hit, packed = None, False, None
     if not force:
         measured = read_cached(key)
