@@ -6,10 +6,11 @@ step report it returns (see :mod:`.plans`); it never calls the fit."""
 from .adaptive import BUCKETS, BatchGuards, CyclingGuard, FittedPlan, Rung, SpeedGuard, bucket_of
 from .batch import SpeculativeBatch, prefill_chunks, run_batch, same_prompt_groups, speculative_generate
 from .forward import prefill, verify_forward, verify_rows
-from .plans import BatchPlanner, GrownTree, Plan, PlanCache, PromptLookup, StaticTree, first_nodes, make_plan
+from .plans import (BatchPlanner, GrownTree, Plan, PlanCache, PromptLookup, StaticTree, draft_rows, first_nodes,
+                    make_plan)
 from .sequence import GenerationStats, Sequence, Stopper
 
 __all__ = ["BUCKETS", "BatchGuards", "BatchPlanner", "CyclingGuard", "FittedPlan", "GenerationStats", "GrownTree", "Plan",
            "PlanCache", "PromptLookup", "Rung", "Sequence", "SpeculativeBatch", "SpeedGuard", "StaticTree", "Stopper",
-           "bucket_of", "first_nodes", "make_plan", "prefill", "prefill_chunks", "run_batch", "same_prompt_groups",
+           "bucket_of", "draft_rows", "first_nodes", "make_plan", "prefill", "prefill_chunks", "run_batch", "same_prompt_groups",
            "speculative_generate", "verify_forward", "verify_rows"]

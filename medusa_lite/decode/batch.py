@@ -22,7 +22,7 @@ from ..kv import (attention_layout, compact_rows, join_rows, keep_accepted, keep
                   new_cache, rows_cache, select_rows)
 from ..drafters import Draft, Drafter, DraftState
 from .forward import prefill, prefill_rows, read_features, verify_forward, verify_rows
-from .plans import BatchPlanner, Plan, first_nodes
+from .plans import BatchPlanner, Plan, draft_rows, first_nodes
 from .sequence import GenerationStats, Sequence, record_step
 
 
@@ -209,21 +209,11 @@ class SpeculativeBatch:
 
     # ------------------------------------------------------------------ the pieces of a step
     def _draft(self, tree) -> list[Draft]:
-        """Every row's draft for this step. Rows whose plans share a ``batch_key`` (e.g. greedy rows given the same
-        tree) are drafted in one plan call, each level of all of them in one pass over the drafter's weights; a row
-        whose plan has none (sampling from a static tree: its own draws) is drafted alone."""
+        """Every row's draft for this step, by its own plan and depth cap; rows whose plans agree (e.g. greedy rows
+        given the same tree) are drafted together (:func:`~.plans.draft_rows`)."""
         plans = [seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan for seq in self.rows]
-        groups: dict[object, list[int]] = {}
-        for b, plan in enumerate(plans):
-            key = getattr(plan, "batch_key", None)
-            groups.setdefault(("row", b) if key is None else key, []).append(b)
-        drafts: list[Draft | None] = [None] * len(self.rows)
         with self.drafter.linears():
-            for rows in groups.values():
-                depths = [self._max_depth(self.rows[b]) for b in rows]
-                drafted = plans[rows[0]](self.state.rows(rows), depths[0] if len(rows) == 1 else depths)
-                for b, draft in zip(rows, drafted):
-                    drafts[b] = draft
+            drafts = draft_rows(plans, self.state, [self._max_depth(seq) for seq in self.rows])
         if self.max_step_tokens is not None:
             drafts = [first_nodes(draft, max(1, self.max_step_tokens // len(self.rows))) for draft in drafts]
         return drafts

@@ -15,7 +15,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..drafters import Draft, Drafter, DraftState
+from ..drafters import Draft, Drafter, DraftState, per_row
 from ..tree import (DynamicTree, TreeBuffers, TreeSpec, WithLookup, buffers_from_parents, build_buffers,
                     lookup_continuation, merge_chain, parse_tree, tree_key, truncate)
 
@@ -102,9 +102,25 @@ class PromptLookup:
         return None if inner is None else ("lookup", inner, self.tokens, self.ngram)
 
     def __call__(self, state: DraftState, max_depth: int | list[int]) -> list[Draft]:
-        depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(state.ids)
+        depths = per_row(max_depth, len(state.ids))
         return [with_lookup_branch(draft, ids, self.tokens, self.ngram, depth)
                 for draft, ids, depth in zip(self.plan(state, max_depth), state.ids, depths)]
+
+
+def draft_rows(plans: list[Plan], state: DraftState, depths: list[int]) -> list[Draft]:
+    """Row b's draft by ``plans[b]`` within ``depths[b]``: the rows whose plans share a ``batch_key`` in one plan call
+    (each level of all of them in one pass over the drafter's weights), a row whose plan has none (sampling from a
+    static tree: its own draws) alone. Call inside the drafter's ``linears()``."""
+    groups: dict[object, list[int]] = {}
+    for b, plan in enumerate(plans):
+        key = getattr(plan, "batch_key", None)
+        groups.setdefault(("row", b) if key is None else key, []).append(b)
+    drafts: list[Draft | None] = [None] * len(plans)
+    for rows in groups.values():
+        cap = depths[rows[0]] if len(rows) == 1 else [depths[b] for b in rows]
+        for b, draft in zip(rows, plans[rows[0]](state.rows(rows), cap)):
+            drafts[b] = draft
+    return drafts
 
 
 def with_lookup_branch(draft: Draft, ids: torch.Tensor, tokens: int, ngram: int, max_depth: int) -> Draft:

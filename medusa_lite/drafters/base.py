@@ -68,6 +68,11 @@ class DraftState:
 TreeShape = TreeBuffers | DynamicTree  # a static tree's buffers, or the budget of a tree grown per step
 
 
+def per_row(max_depth: int | list[int], rows: int) -> list[int]:
+    """A depth cap for all rows, or one per row, as one per row."""
+    return max_depth if isinstance(max_depth, list) else [max_depth] * rows
+
+
 def num_positions(seq_len: int, num_heads: int) -> int:
     """Positions per training window that every head trains on (the window's last num_heads + 1 only teach)."""
     return seq_len - num_heads - 1
@@ -157,7 +162,7 @@ class Drafter(nn.Module):
         by the caller) or a tree grown within the budget ``shape`` (a :class:`DynamicTree`), no deeper
         than ``max_depth`` (one for all rows, or one per row). With a ``sampler`` tokens are drawn from the
         drafter's distribution."""
-        depths = max_depth if isinstance(max_depth, list) else [max_depth] * len(state.ids)
+        depths = per_row(max_depth, len(state.ids))
         return [self.draft_row(state.hidden[b], ids, shape, depths[b], sampler,
                                None if state.cache is None else state.cache[b]) for b, ids in enumerate(state.ids)]
 
@@ -199,20 +204,26 @@ class PathDrafter(Drafter):
     """A drafter whose proposals depend on the drafted path (Hydra heads, EAGLE-3): trees are drafted level by
     level, each expanded node's row reading its own path, so static trees (filled) and trees grown each step
     (EAGLE-2) share one engine. Subclasses give :meth:`begin` (a row's per-step context) and :meth:`advance`
-    (expand one level's nodes into logits over the draft vocabulary) and :meth:`token_ids`."""
+    (expand one level's nodes into logits over the draft vocabulary), or their ``_rows`` forms (a level of every
+    row at once), and :meth:`token_ids`."""
 
     dynamic_trees = True
 
     def begin(self, hidden: torch.Tensor, ids: torch.Tensor, cache):
-        """A row's drafting context for one step: features [F] of the last accepted position, ids [L] (root last)."""
-        raise NotImplementedError
+        """A row's drafting context for one step: features [F] of the last accepted position, ids [L] (root last).
+        A subclass gives this or :meth:`begin_rows`."""
+        if type(self).begin_rows is PathDrafter.begin_rows:
+            raise NotImplementedError
+        return self.begin_rows([hidden], [ids], [cache])[0]
 
     def advance(self, ctx, depth: int, parent_rows: torch.Tensor, tokens: torch.Tensor, nodes: list[int],
                 parents: list[int]) -> torch.Tensor:
         """Expand M nodes of ``depth`` (node ids ``nodes``, tokens [M]; depth 0: the root) whose parents are rows
         ``parent_rows`` [M] of the previous call (depth 0: row 0); ``parents[n]`` is node n's parent.
-        Returns [M, V'] logits of their children."""
-        raise NotImplementedError
+        Returns [M, V'] logits of their children. A subclass gives this or :meth:`advance_rows`."""
+        if type(self).advance_rows is PathDrafter.advance_rows:
+            raise NotImplementedError
+        return self.advance_rows([ctx], [(depth, parent_rows, tokens, nodes, parents)])[0]
 
     def begin_rows(self, hidden: list[torch.Tensor], ids: list[torch.Tensor], caches: list) -> list:
         """:meth:`begin` for several rows at once (a drafter may batch their work: one pass over its weights)."""
@@ -234,7 +245,7 @@ class PathDrafter(Drafter):
         """Every row's tree drafted in lockstep: each level of all rows in one :meth:`advance_rows` call.
         ``max_depth``: one for all rows, or per row (a grown tree's cap; a static tree comes capped)."""
         rows = len(state.ids)
-        depths = max_depth if isinstance(max_depth, list) else [max_depth] * rows
+        depths = per_row(max_depth, rows)
         grown = isinstance(shape, DynamicTree)
         drafting = [b for b in range(rows) if (min(shape.depth, depths[b]) >= 1 if grown else shape.num_nodes > 1)]
         drafts: list[Draft | None] = [None] * rows

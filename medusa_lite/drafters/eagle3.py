@@ -256,17 +256,11 @@ class Eagle3Drafter(PathDrafter):
         last = layer.finish(torch.cat(outs), hidden[ends])                   # [R, H]
         return [RowCache(k_r, v_r, last_r) for k_r, v_r, last_r in zip(keys, values, last)]
 
-    def begin(self, hidden, ids, cache):
-        return self.begin_rows([hidden], [ids], [cache])[0]
-
     def begin_rows(self, hidden, ids, caches):
         if any(cache is None for cache in caches):
             raise ValueError("an eagle3 drafter drafts from its own cache: build the state with start()")
         self.settle_rows(caches)
         return [{"cache": cache, "keys": [], "values": [], "entry": {}, "state": None} for cache in caches]
-
-    def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
-        return self.advance_rows([ctx], [(depth, parent_rows, tokens, nodes, parents)])[0]
 
     def advance_rows(self, ctxs, requests):
         """Every row's level in one pass over the weights: the linears over all rows' nodes at once, attention per

@@ -357,9 +357,6 @@ class HydraDrafter(HeadsDrafter, PathDrafter):
     def begin(self, hidden, ids, cache):
         return {"state": hidden[None]}  # [1, H]: the root's parent state is h_t
 
-    def advance(self, ctx, depth, parent_rows, tokens, nodes, parents):
-        return self.advance_rows([ctx], [(depth, parent_rows, tokens, nodes, parents)])[0]
-
     def advance_rows(self, ctxs, requests):
         """The rows' nodes of one depth through head ``depth`` together (one pass over its weights and the
         lm_head's)."""

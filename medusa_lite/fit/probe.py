@@ -13,7 +13,7 @@ import torch
 
 from .._hf import cache_kwarg, output_weight
 from ..kv import attention_layout, extend_cache, new_cache
-from ..decode import make_plan, speculative_generate, verify_forward
+from ..decode import draft_rows, make_plan, speculative_generate, verify_forward
 from ..drafters import drafter_features
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes
 from .pricing import DRAFT_BATCH
@@ -144,19 +144,17 @@ def _measure_latency(model, prompt, sizes, lat: _Latency, bar, deadline: float, 
 
 def draft_seconds(model, candidates: list, state, sampler=None) -> dict[str, float]:
     """Per candidate tree (by :func:`~medusa_lite.tree.tree_key`), the faster of two drafting calls from ``state``
-    (its rows drafted as a batched step drafts them: together where the tree's plan has a ``batch_key``, else one
-    at a time)."""
+    (its rows drafted as a batched step drafts them, :func:`~medusa_lite.decode.draft_rows`)."""
     draft: dict[str, float] = {}
     device = output_weight(model.base_model).device
+    rows = len(state.ids)
     for tree in candidates:
         plan = make_plan(model.drafter, parse_tree(tree, model.config.num_heads), device, sampler)
-        together = len(state.ids) == 1 or getattr(plan, "batch_key", None) is not None
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             with model.drafter.linears():
-                for rows in [list(range(len(state.ids)))] if together else [[b] for b in range(len(state.ids))]:
-                    plan(state.rows(rows), 8)
+                draft_rows([plan] * rows, state, [8] * rows)
             _sync(device)
             times.append(time.perf_counter() - t0)
         draft[tree_key(tree)] = min(times)
