@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 import warnings
 from functools import cache, partial
 from pathlib import Path
@@ -43,10 +44,20 @@ PACKED_ROWS = (4, 8, 16, 32)  # MKL: row counts packed for (batch-1 trees; batch
 SKINNY_ROWS = 32  # the skinny kernel: any row count up to this (its one packed copy serves them all)
 SKINNY_DTYPES = (torch.float32, torch.bfloat16)  # weight dtypes it takes (bf16: widened to fp32 in registers)
 MEMORY_SHARE = 0.25  # of the memory available, what the packed copies may take
+# at::parallel_for is inline OpenMP: built without it, a kernel runs on one thread whatever torch's thread count
+# (GCC links the libgomp that torch has loaded already; Apple's clang has no -fopenmp)
+BUILD_FLAGS = ("-O3", "-fopenmp") if sys.platform.startswith("linux") else ("-O3",)
 _SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.cpp"
-SKINNY_SOURCE_ID = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]  # names its build, keys the fits timing it
 _ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "small_attention.cpp"
-ATTENTION_SOURCE_ID = hashlib.sha256(_ATTENTION_SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def _build_id(source: Path) -> str:
+    """Names a kernel's build and keys the fits that timed it: its source and the flags it is built with."""
+    return hashlib.sha256(source.read_bytes() + " ".join(BUILD_FLAGS).encode()).hexdigest()[:12]
+
+
+SKINNY_SOURCE_ID = _build_id(_SOURCE)
+ATTENTION_SOURCE_ID = _build_id(_ATTENTION_SOURCE)
 
 
 def available_memory() -> int | None:
@@ -272,7 +283,8 @@ def _extension(kind: str, source: Path, source_id: str, switch: str, what: str, 
         warnings.warn(f"compiling {what} into {build} (once per machine, ~30 s)")
     try:
         with _ninja_on_path():
-            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=["-O3"], verbose=False)
+            return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(BUILD_FLAGS),
+                                      extra_ldflags=[f for f in BUILD_FLAGS if f == "-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, no Python headers: the stock path instead
         warnings.warn(f"{what} did not build ({type(e).__name__}: {str(e)[:200]}); {fallback}")
         return None

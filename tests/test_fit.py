@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -389,6 +390,33 @@ def test_skinny_kernel_matches_linear_for_any_row_count_width_and_thread_count()
         y = kernel.skinny_linear(x, packed, 1537, b)
         ref = torch.nn.functional.linear(x.float(), w.float(), b.float()).bfloat16()
         assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref.float(), atol=0.05, rtol=0.01)
+
+
+def test_the_cpu_kernels_give_the_same_bits_on_one_thread_and_two():
+    """Shapes large enough that the kernels share them between threads (a batched step's GEMM and attention): each
+    output is one thread's sum in order, so the thread count changes no bit (a kernel that split the sums across
+    threads would fail here). Skipped on a one-core machine, where no second thread runs."""
+    from medusa_lite.kernels import attention_kernel
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing runs in parallel")
+    skinny, attention = _skinny(), attention_kernel()
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4096, 576, generator=gen), torch.randn(16, 576, generator=gen)  # 16 rows: compute-bound
+    packed = skinny.pack_weight(w)
+    q = torch.randn(8, 9, 2, 64, generator=gen)  # 8 rows x 9 heads x 2 queries over 3 key/value heads of 600 keys
+    k, v = torch.randn(8, 3, 600, 64, generator=gen), torch.randn(8, 3, 600, 64, generator=gen)
+    mask = torch.where(torch.rand(8, 1, 2, 600, generator=gen) < 0.2, torch.finfo(torch.float32).min, 0.0)
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            outputs.append([skinny.skinny_linear(x, packed, 4096, None)]
+                           + ([attention.small_attention(q, k, v, mask, 0.125)] if attention is not None else []))
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*outputs):
+        assert torch.equal(one, two)
 
 
 def test_skinny_linears_match_linear_and_skip_what_they_cannot_take():

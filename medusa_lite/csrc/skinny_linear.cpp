@@ -20,6 +20,8 @@ namespace {
 constexpr int PANEL = 16;     // output features per packed panel (two 8-float registers)
 constexpr int MAX_ROWS = 6;   // x rows per pass over a panel (12 accumulators + 2 weights + 1 broadcast: 15 of 16 ymm)
 constexpr int AHEAD = 64;     // k rows of the panel stream prefetched ahead of the arithmetic (4 KB of fp32)
+constexpr int64_t PARALLEL_ROWS = 8;          // rows from which the panels are shared by torch's threads ...
+constexpr int64_t PARALLEL_WORK = 1 << 22;    // ... in a GEMM of at least this many multiply-adds
 
 // 8 weights of a packed panel as fp32: fp32 as they are, bf16 widened (a bf16 is the top half of an fp32)
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -80,10 +82,15 @@ void rows_pass(int64_t rows, const float* x, const W* panel, const float* bias, 
 }
 
 // y [M, N] fp32 = x [M, K] fp32 times every packed panel; M split into equal passes of at most MAX_ROWS rows
+// (over panels, on torch's intra-op threads, only where the arithmetic bounds it: PARALLEL_ROWS rows or more and
+// PARALLEL_WORK multiply-adds; fewer rows are bound by reading the weights, which a second core does not speed up,
+// and a parallel region costs 15-50 us. Each output is still one thread's sum over k in order: the same bits
+// whatever the thread count.)
 template <typename W>
 void gemm(const float* xp, const W* wp, const float* bp, float* yp, int64_t M, int64_t K, int64_t N, int64_t panels) {
   const int64_t passes = (M + MAX_ROWS - 1) / MAX_ROWS;
-  at::parallel_for(0, panels, 16, [&](int64_t p0, int64_t p1) {
+  const bool parallel = M >= PARALLEL_ROWS && M * K * panels * PANEL >= PARALLEL_WORK;
+  at::parallel_for(0, panels, parallel ? 16 : panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = wp + p * K * PANEL;
       for (int64_t i = 0, m0 = 0; i < passes; ++i) {

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -53,6 +54,7 @@ __attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive(__m256 x) {
 
 constexpr int MAX_DIM = 256;   // head dimension at most
 constexpr int BLOCK_ROWS = 6;  // query rows per pass over a block of keys (2 x 6 accumulators + 3 ymm of 16)
+constexpr int64_t PARALLEL_WORK = 1 << 21;  // multiply-adds a thread's chunk of heads holds at least
 
 // 8 x 8 floats transposed in registers: r[i][j] becomes r[j][i]
 __attribute__((target("avx2,fma"))) inline void transpose8(__m256 r[8]) {
@@ -191,7 +193,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   const T* vp = v.data_ptr<T>();
   const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+  // key/value heads shared by torch's threads in chunks of at least PARALLEL_WORK multiply-adds (a parallel region
+  // costs 15-50 us: one row's few queries run on the calling thread); each head's sums stay one thread's
+  const int64_t grain = std::max<int64_t>(1, PARALLEL_WORK / std::max<int64_t>(1, 2 * R * S * D));
+  at::parallel_for(0, B * Hk, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qs(R * D), scores(R * S);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hk, h = bh % Hk;
