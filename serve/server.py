@@ -33,7 +33,7 @@ from medusa_lite.targets import DEFAULT_TARGET, load_model
 from medusa_lite.tree import parse_tree, tree_nodes
 
 from .app import create_app
-from .engine import Engine
+from .engine import Engine, TorchThread
 from .metrics import Metrics
 
 log = logging.getLogger("medusa_lite.serve")
@@ -102,19 +102,21 @@ def main(argv: list[str] | None = None) -> None:
     disable_created_metrics()  # no *_created samples: this process owns its registry
     # 2. build: model, engine, app
     t0 = time.perf_counter()
-    model, tokenizer, name = build_model(settings)
+    torch_thread = TorchThread()  # builds, fits and decodes: one thread for every torch call that parallelizes
+    model, tokenizer, name = torch_thread.run(lambda: build_model(settings))
     log.info("loaded %s (%s, %s) in %.1f s", name, settings.dtype, settings.device, time.perf_counter() - t0)
     metrics = Metrics()
     for decoding in ("greedy", "sample") if model.fit_enabled else ():  # fit now, not on the first request
-        fit = model.fit_hardware(sample=decoding == "sample")
+        fit = torch_thread.run(lambda: model.fit_hardware(sample=decoding == "sample"))
         if fit is None:
             log.info("tree: the heads' stored tree, %d nodes (no acceptance table: no hardware fit)",
                      tree_nodes(model.choices) + 1)
             break
         log.info("tree fitted for %s decoding:\n%s", decoding, fit.report())
         metrics.record_fit(fit, decoding)
-    engine = Engine(model, tokenizer, metrics, settings.max_queue, settings.max_batch_size, settings.max_batched_tokens,
-                    settings.max_prefill_tokens, settings.arrival_window_ms / 1000)
+    engine = torch_thread.run(lambda: Engine(model, tokenizer, metrics, settings.max_queue, settings.max_batch_size,
+                                             settings.max_batched_tokens, settings.max_prefill_tokens,
+                                             settings.arrival_window_ms / 1000, torch_thread))
     log.info("continuous batching: up to %d requests at once, %d tree tokens per step", engine.max_batch_size,
              settings.max_batched_tokens)
     for decoding in ("greedy", "sample"):
