@@ -218,6 +218,8 @@ def test_dynamic_tree_spec_parsing():
     from medusa_lite.tree import DynamicTree, parse_tree
 
     assert parse_tree({"dynamic": {"nodes": 8, "depth": 3}}) == DynamicTree(8, 3)
+    assert parse_tree({"tree": {"dynamic": {"nodes": 8, "depth": 3}}}) == DynamicTree(8, 3)  # no lookup branch
+    assert parse_tree({"tree": [[0], [0, 0]]}) == parse_tree([[0], [0, 0]])
     with pytest.raises(ValueError, match="depth 5"):
         parse_tree({"dynamic": {"nodes": 8, "depth": 5}}, num_heads=4)
     with pytest.raises(ValueError, match="unknown keys"):

@@ -108,6 +108,8 @@ def parse_tree(spec, num_heads: int | None = None) -> TreeSpec:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (tokens, ngram)):
             raise ValueError(f"prompt_lookup and ngram must be positive integers, got {tokens!r}, {ngram!r}")
         return WithLookup(parse_tree(spec["tree"], num_heads), tokens, ngram)
+    elif isinstance(spec, dict) and set(spec) == {"tree"}:  # the lookup form without its branch: the tree itself
+        return parse_tree(spec["tree"], num_heads)
     elif isinstance(spec, dict) and set(spec) == {"dynamic"} and isinstance(spec["dynamic"], dict):
         unknown = set(spec["dynamic"]) - {"nodes", "depth", "topk", "expand", "min_prob"}
         if unknown:
