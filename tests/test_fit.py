@@ -7,7 +7,6 @@ import functools
 import importlib
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -331,21 +330,6 @@ def test_the_packed_path_covers_the_longest_run_of_sizes_where_it_won():
                            ({2: False, 4: False}, (0, 0))):
         lat.packed_wins = wins
         assert lat.packed_range() == expected
-
-
-def test_a_loss_of_the_packed_path_is_timed_again_before_it_counts():
-    from medusa_lite.fit.probe import _Latency
-
-    packed = SimpleNamespace(min_rows=1, rows=32)
-    for packed_times, wins in (([1.2, 0.6], True),   # a burst of load during its first timing: it wins the second
-                               ([1.2, 1.1], False),  # slower both times: a loss
-                               ([0.6], True)):       # faster at once: timed once
-        lat = _Latency(tiny_model("llama"), packed, torch.Generator().manual_seed(0))
-        times = {"stock": [1.0, 1.0], "packed": list(packed_times)}
-        lat.timed = lambda cache, ids, buffers, n, kernel, repeats: times["stock" if kernel is None else "packed"].pop(0)
-        assert lat.measure(None, 128, 4, first=True) == 1.0
-        assert lat.packed_wins[4] is wins and lat.fast[128][4] == min(packed_times)
-        assert not times["packed"]  # every queued timing was taken: the second only after a loss
 
 
 def test_packed_row_counts_fit_in_a_share_of_the_available_memory():

@@ -73,20 +73,15 @@ class _Latency:
         return min(times[-2:])
 
     def measure(self, cache, cache_len: int, n: int, first: bool) -> float:
-        """Time ``n`` tree tokens at ``cache_len`` (and through the packed path where it may win); the stock time.
-        Where the packed path loses, both are timed once more before the loss counts: a burst of load during one
-        timing would otherwise end the packed path at that size (a probe under load once kept it to 1-3 tokens)."""
+        """Time ``n`` tree tokens at ``cache_len`` (and through the packed path where it may win); the stock time."""
         device = self.target.get_output_embeddings().weight.device
         vocab = self.target.get_output_embeddings().weight.shape[0]
         ids = torch.randint(0, vocab, (n,), generator=self.gen).to(device)
         buffers = build_buffers(chain(n - 1), device)
         seconds = self.timed(cache, ids, buffers, cache_len, None, 3 if first else 2)  # first: + a warm-up
         if self.packed is not None and self.packed.min_rows <= n <= self.packed.rows and self.packed_wins.get(n, True):
-            fast = self.timed(cache, ids, buffers, cache_len, self.packed, 3 if n == 2 else 2)
-            if fast >= seconds:  # a loss is confirmed before it counts: both paths timed once more
-                seconds = min(seconds, self.timed(cache, ids, buffers, cache_len, None, 1))
-                fast = min(fast, self.timed(cache, ids, buffers, cache_len, self.packed, 1))
-            self.fast.setdefault(cache_len, {})[n] = fast
+            fast = self.fast.setdefault(cache_len, {})[n] = self.timed(cache, ids, buffers, cache_len, self.packed,
+                                                                       3 if n == 2 else 2)
             self.packed_wins[n] = fast < seconds
         return seconds
 
