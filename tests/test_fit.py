@@ -391,14 +391,11 @@ def test_the_cpu_kernels_give_the_same_bits_on_one_thread_and_two():
     q = torch.randn(8, 9, 2, 64, generator=gen)  # 8 rows x 9 heads x 2 queries over 3 key/value heads of 600 keys
     k, v = torch.randn(8, 3, 600, 64, generator=gen), torch.randn(8, 3, 600, 64, generator=gen)
     mask = torch.where(torch.rand(8, 1, 2, 600, generator=gen) < 0.2, torch.finfo(torch.float32).min, 0.0)
-    threads, outputs = torch.get_num_threads(), []
-    try:
-        for n_threads in (1, 2):
-            torch.set_num_threads(n_threads)
-            outputs.append([skinny.skinny_linear(x, packed, 4096, None)]
-                           + ([attention.small_attention(q, k, v, mask, 0.125)] if attention is not None else []))
-    finally:
-        torch.set_num_threads(threads)
+    outputs = []
+    for n_threads in (1, 2):  # (the autouse one_thread fixture restores the thread count)
+        torch.set_num_threads(n_threads)
+        outputs.append([skinny.skinny_linear(x, packed, 4096, None)]
+                       + ([attention.small_attention(q, k, v, mask, 0.125)] if attention is not None else []))
     for one, two in zip(*outputs):
         assert torch.equal(one, two)
 

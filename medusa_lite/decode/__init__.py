@@ -12,5 +12,5 @@ from .sequence import GenerationStats, Sequence, Stopper
 
 __all__ = ["BUCKETS", "BatchGuards", "BatchPlanner", "CyclingGuard", "FittedPlan", "GenerationStats", "GrownTree", "Plan",
            "PlanCache", "PromptLookup", "Rung", "Sequence", "SpeculativeBatch", "SpeedGuard", "StaticTree", "Stopper",
-           "bucket_of", "draft_rows", "first_nodes", "make_plan", "prefill", "prefill_chunks", "run_batch", "same_prompt_groups",
-           "speculative_generate", "verify_forward", "verify_rows"]
+           "bucket_of", "draft_rows", "first_nodes", "make_plan", "prefill", "prefill_chunks", "run_batch",
+           "same_prompt_groups", "speculative_generate", "verify_forward", "verify_rows"]
