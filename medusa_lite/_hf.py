@@ -144,18 +144,16 @@ def grouped_attention(single_query: bool = False, small=None):
     torch's SDPA on CPU takes the grouped heads directly (``enable_gqa``) and gives the same result bit for bit
     (``tests/test_batch.py``). One query token per row in bf16 / fp16 (the root alone: ``single_query`` when the
     forward has no mask, else read off the mask) takes transformers' ``pack_gqa`` instead (the query heads of a
-    key/value head as that many query positions, what transformers does itself for a masked single query): 3-6x
-    faster than torch's CPU kernel for one half-precision query (0.29 -> 0.05 ms a layer at 300 cached tokens,
-    2.5 -> 0.66 ms for 8 rows; AMD Zen 4), and the same bits at most cache lengths (torch's two kernels round
-    differently at a few: ~3 in 100, bf16 rounding). fp32 keeps torch's GQA kernel.
+    key/value head as that many query positions, what transformers does itself for a masked single query), because
+    torch's CPU kernel takes a slow path for one half-precision query; the two give the same bits at most cache
+    lengths (they round differently at a few: bf16 rounding). fp32 keeps torch's GQA kernel.
 
     With ``small``, medusa_lite's few-query attention kernel (:func:`medusa_lite.kernels.attention_kernel`, None where
     it does not build; ``csrc/small_attention.cpp``), a CPU call of at most :data:`SMALL_ATTENTION_QUERIES` queries
     per row (the root alone, a batched step's roots, small trees) takes it instead: the queries sharing a key/value
-    head read each cached key and value once (fp32 sums, results differ from SDPA's by float rounding only). On the
-    AMD Zen 4 of session 16, one thread, 300 cached keys: one fp32 query 41 -> 19 us, 8 rows 298 -> 155 us; bf16
-    297 -> 24 us, 8 rows 2,385 -> 163 us; at 8 queries a row the two are level and SDPA keeps longer ones
-    (docs/hardware.md). On other devices, and outside this block, nothing changes."""
+    head read each cached key and value once (fp32 sums, results differ from SDPA's by float rounding only). From
+    about 8 queries a row SDPA is as fast, so longer calls keep it (timings: docs/hardware.md). On other devices,
+    and outside this block, nothing changes."""
     if not _install_grouped_attention():
         yield
         return

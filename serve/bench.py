@@ -1,4 +1,4 @@
-"""medusa-lite bench: the Spec-Bench protocol (DESIGN 5) -- plain generate vs prompt lookup vs medusa_lite.
+"""medusa-lite bench: the Spec-Bench protocol (docs/benchmark.md) -- plain generate vs prompt lookup vs medusa_lite.
 
     medusa-lite bench                                   # all 480 questions, 256 new tokens, greedy, fp32
     medusa-lite bench --limit 5 --max-new-tokens 128    # quick: the first 5 questions of each task

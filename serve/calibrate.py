@@ -1,4 +1,4 @@
-"""medusa-lite calibrate: measure a set of heads' acceptance and fit their tree to this machine (DESIGN 3.2).
+"""medusa-lite calibrate: measure a set of heads' acceptance and fit their tree to this machine.
 
     medusa-lite calibrate --heads DIR                  # DIR/acceptance.json + the fitted no-fit tree, report
     medusa-lite calibrate --heads DIR --dry-run        # measure and report only

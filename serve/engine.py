@@ -33,9 +33,9 @@ log = logging.getLogger("medusa_lite.serve")
 class TorchThread:
     """The one thread that runs all of the server's torch work: building the model, fitting it, decoding. torch's CPU
     kernels share work through OpenMP, whose thread pools belong to the thread that starts them: a process where one
-    thread built and fitted the model and another decoded ran every parallel region through a second pool, and a
-    batched step of 8 rows at 2 threads went from 143-162 tok/s (one thread doing everything) to 92-118 (AMD EPYC,
-    2 cores). A daemon: a server that never closes its engine still exits."""
+    thread built and fitted the model and another decoded ran every parallel region through a second pool, which cost
+    about a third of a batched step's throughput (docs/serving.md). A daemon: a server that never closes its engine
+    still exits."""
 
     def __init__(self, name: str = "medusa-worker"):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -34,9 +34,9 @@ def load_deepspeed_config(cfg: TrainConfig, rt: Runtime) -> dict[str, Any]:
 
 class TrainClock:
     """Wall seconds a run has trained (across resumes) as a fraction of its time limit: the learning-rate schedule's
-    second clock. A schedule sized at another machine's speed can be far longer than the time limit allows here
-    (campaign run 9: 1,957 steps planned at 742 positions/s, 1,189 done at 447 before the limit); the rate decays by
-    whichever clock is further on, so a run its time limit stops ends decayed, as one that reaches ``max_steps``."""
+    second clock. A schedule sized at another machine's speed can be far longer than the time limit allows here (a
+    run can stop with its learning rate still halfway down the cosine, and end worse than it began); the rate decays
+    by whichever clock is further on, so a run its time limit stops ends decayed, as one that reaches ``max_steps``."""
 
     def __init__(self, limit_minutes: float | None):
         self.limit_s = 60 * limit_minutes if limit_minutes else None

@@ -1,4 +1,4 @@
-"""Fit speculation to the machine it runs on: the choice of tree, as pure functions (DESIGN 3.2).
+"""Fit speculation to the machine it runs on: the choice of tree, as pure functions.
 
 Calibration has two halves:
 

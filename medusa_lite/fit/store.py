@@ -23,14 +23,9 @@ from ..paths import cache_dir
 from ..tree import tree_key
 from .probe import DEFAULT_BUDGET_S, one_token_seconds, probe
 
-FIT_FORMAT = "medusa_lite.fit/11"  # 4: latency probed at 3, 6 and 12 tree tokens too (a GEMM's row staircase);
-# 5: the packed path packs for 4, 8, 16 and 32 rows (was 8 alone), so its latency table changed;
-# 6: the packed path patches the linear modules (no per-op Python dispatch): ~8 ms less per packed forward;
-# 7: the packed path is the skinny kernel where it builds (the key names which path was timed);
-# 8: the drafter's own linears run through the skinny kernel too, so drafting is timed through it;
-# 9: the packed path covers the longest run of sizes where it won ("packed_to"), not only a run up to the top;
-# 10: the skinny kernel is timed (and used) for one-token forwards too; "stock_one" keeps the stock one-token time;
-# 11: ... and for bf16 weights too
+# Bump whenever what the probe measures or how its figures are used changes (sizes timed, kernels timed, fields
+# kept): a cached probe of another format is measured again, never reinterpreted.
+FIT_FORMAT = "medusa_lite.fit/11"
 
 
 def cache_path(key: str) -> Path:
