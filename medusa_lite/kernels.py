@@ -20,8 +20,8 @@ Both are context managers: while active (verify forwards, only for the tree size
 faster), each eligible ``nn.Linear`` takes the packed path (its ``forward`` is shadowed by an instance attribute,
 restored on exit; a decoding loop holds the modules patched for its whole run and each forward's context only
 switches the path on, ``held``); everything else, and the whole model outside the context, is untouched. No
-modeling code is forked. (A ``TorchFunctionMode`` did the same by intercepting every torch call of the forward,
-~2,600 per forward of the default model: ~10 ms of Python per verify step.) Each packed copy costs as much memory as the linear
+modeling code is forked. (Not a ``TorchFunctionMode``: it would intercept every torch call of the forward, ~2,600
+per forward of the default model, ~10 ms of Python per verify step.) Each packed copy costs as much memory as the linear
 weights, so only as many copies are made as fit in a quarter of the memory available (:func:`packed_rows`,
 :func:`skinny_available`). Results differ from ``F.linear`` only in summation order (as any two GEMM kernels do),
 so greedy output stays the target's own up to floating-point ties, like every tree forward.
