@@ -6,7 +6,7 @@ like ``target.generate(do_sample=False)`` -- with perturbed random heads and wit
 whole paths are accepted, so trees cross the window edge -- or be refused when wrapped
 (``MedusaModel(...)``) with an error naming the layer type.
 
-``python tests/test_architectures.py`` prints the README's table from ARCHITECTURES.
+``python tests/test_architectures.py`` prints docs/architectures.md's table from ARCHITECTURES.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 @dataclass
 class Arch:
-    name: str            # as in the README table
+    name: str            # as in docs/architectures.md's table
     model_type: str      # transformers' model_type (AutoConfig.for_model)
     kwargs: dict = field(default_factory=dict)  # on top of BASE (a None value removes a BASE key)
     attention: str = "full"  # full, sliding, alternating (full + sliding) or chunked (+ full), as configured here
