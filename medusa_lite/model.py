@@ -8,17 +8,16 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
-from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ._hf import context_length, output_weight, text_config
 from .kv import check_model
-from .decode import (BatchGuards, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch, SpeedGuard,
-                     make_plan, run_batch)
+from .decode import (STOP_OPTIONS, BatchGuards, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch,
+                     SpeedGuard, eos_ids, make_plan, run_batch)
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
 from .fit import AcceptanceTable, FitSession, HardwareFit
 from .heads_io import (HeadsMismatchError, check_fingerprint, load_weights, read_heads, resolve_heads_dir, save_heads,
                        target_fingerprint)
-from .sampling import DraftSampler, build_warpers, check_supported
+from .sampling import SAMPLING_OPTIONS, DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree
 
 
@@ -224,8 +223,9 @@ class MedusaModel(nn.Module):
     def prepare_config(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
         """transformers' generation config for these arguments (the target's defaults under them), checked:
         ``ValueError`` for anything medusa_lite cannot honour exactly."""
-        # OpenAI's penalties (not transformers' fields): extra attributes of the config, as GenerationConfig keeps them
-        extra = {name: kwargs.pop(name) for name in ("presence_penalty", "frequency_penalty") if name in kwargs}
+        # OpenAI's and vLLM's options (not transformers' fields): extra attributes of the config, as GenerationConfig
+        # keeps them
+        extra = {name: kwargs.pop(name) for name in SAMPLING_OPTIONS + STOP_OPTIONS if name in kwargs}
         config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
         for name, value in extra.items():
             setattr(config, name, value)
@@ -250,11 +250,7 @@ class MedusaModel(nn.Module):
             raise ValueError(
                 f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new}) exceeds the target's context "
                 f"length ({limit})")
-        criteria = StoppingCriteriaList(stopping_criteria or [])
-        if config.stop_strings:
-            if tokenizer is None:
-                raise ValueError("stop_strings needs the tokenizer: generate(..., stop_strings=..., tokenizer=tok)")
-            criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
+        criteria = StoppingCriteriaList(stopping_criteria or []) or None
         sampler = DraftSampler(build_warpers(config), generator) if config.do_sample and sampled_drafts else None
         plan = plan_for = None
         if tree is None:  # one sequence's plans (each made once) for the trees its guards name
@@ -266,7 +262,7 @@ class MedusaModel(nn.Module):
             plan = self.plan(tree, sampler)
         on_step = plan.record if isinstance(plan, FittedPlan) else None
         return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag,
-                        logprobs=logprobs)
+                        logprobs=logprobs, tokenizer=tokenizer)
 
     def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None,
                 solo: bool = False) -> SpeculativeBatch:
@@ -293,10 +289,14 @@ class MedusaModel(nn.Module):
         output has the target's distribution. Stats of the call are in ``self.last_stats`` (the first row's) and
         ``self.last_batch_stats`` (every row's).
         Supported: greedy or sampling with temperature / top_k / top_p / min_p, ``repetition_penalty`` (transformers'),
-        ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the new tokens), each applied at every tree node
+        ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the new tokens), ``sequence_bias`` (single tokens),
+        ``bad_words_ids``, ``min_new_tokens`` and vLLM's ``allowed_token_ids``, each applied at every tree node
         from that node's own prefix,
         ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
-        ``stopping_criteria``, streamers (batch size 1, as transformers' streamers). Anything else raises ``ValueError``.
+        ``stopping_criteria`` and vLLM's ``stop_token_ids`` / ``ignore_eos`` / ``include_stop_str_in_output`` /
+        ``skip_special_tokens`` / ``spaces_between_special_tokens`` (one stop rule: :mod:`medusa_lite.decode.stopping`;
+        why each row stopped: ``finish_reason`` / ``stop_reason`` of its stats), streamers (batch size 1, as
+        transformers' streamers). Anything else raises ``ValueError``.
         ``num_return_sequences`` (sampling): that many samples per prompt, in one batch sharing its prefill.
         Batches: left-padded ``input_ids`` with their ``attention_mask``, as transformers takes them; every row is
         verified in the same forward and stops on its own (its output equals its batch-1 output; rows that
@@ -336,8 +336,7 @@ def _outputs(input_ids: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     width = max(seq.stats.new_tokens for seq in seqs)
     pad = seqs[0].config.pad_token_id
     if pad is None:
-        eos = seqs[0].config.eos_token_id
-        pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+        pad = next(iter(eos_ids(seqs[0].config)), 0)
     out = input_ids.new_full((input_ids.shape[0], input_ids.shape[1] + width), int(pad))
     out[:, :input_ids.shape[1]] = input_ids
     for b, seq in enumerate(seqs):

@@ -23,11 +23,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+# options of OpenAI's and vLLM's that are not transformers' fields: extra attributes of the generation config
+SAMPLING_OPTIONS = ("presence_penalty", "frequency_penalty", "allowed_token_ids")
+
 # GenerationConfig fields whose non-default value changes the distribution and that we do not support.
 _UNSUPPORTED = {
     "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
-    "no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "min_length": 0,
-    "min_new_tokens": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "no_repeat_ngram_size": 0, "force_words_ids": None, "min_length": 0,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0, "suppress_tokens": None,
     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
     "guidance_scale": None, "watermarking_config": None,
@@ -44,11 +47,17 @@ def check_supported(config: GenerationConfig, vocab: int | None = None) -> None:
             raise ValueError(
                 f"medusa_lite.generate does not support {name}={value!r}; supported: greedy or sampling "
                 "with temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty, "
-                "sequence_bias (single tokens)")
+                "sequence_bias (single tokens), bad_words_ids, min_new_tokens, allowed_token_ids")
     penalties = Penalties.from_config(config)  # ValueError for a penalty out of range
     outside = [token for token, _ in penalties.bias if vocab is not None and token >= vocab]
     if outside:
         raise ValueError(f"sequence_bias: token {outside[0]} is outside the vocabulary ({vocab} tokens)")
+    masks = TokenMasks.from_config(config, ())  # ValueError for a malformed list
+    named = [(name, t) for name, ids in (("allowed_token_ids", masks.allowed or ()),
+                                         ("bad_words_ids", [t for w in masks.bad_words for t in w])) for t in ids]
+    outside = [(name, t) for name, t in named if vocab is not None and t >= vocab]
+    if outside:
+        raise ValueError(f"{outside[0][0]}: token {outside[0][1]} is outside the vocabulary ({vocab} tokens)")
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,75 @@ def penalized_logits(logits: torch.Tensor, penalties: Penalties, prompt_seen: to
     if penalties.presence:
         sub = sub - penalties.presence * (counts > 0).float()
     scores[:, cols] = sub
+    return scores
+
+
+def _token_ids(value, name: str) -> tuple[int, ...]:
+    ids = tuple(value)
+    if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+        raise ValueError(f"{name}: a non-empty list of non-negative token ids, got {value!r}")
+    return ids
+
+
+@dataclass(frozen=True)
+class TokenMasks:
+    """Tokens a tree node may not choose, decided from that node's own prefix exactly as the logits processors of
+    plain decoding decide them at the step that reaches the node: every token outside ``allowed`` (vLLM's
+    ``allowed_token_ids``); the last token of a ``bad_words`` sequence whose other tokens end the prefix (transformers'
+    ``bad_words_ids``, ``NoBadWordsLogitsProcessor``, which drops a bad word that is one EOS id); the ``stop_ids``
+    while the prefix holds fewer than ``min_new`` new tokens (transformers' ``min_new_tokens``, vLLM's
+    ``min_tokens``, which masks vLLM's ``stop_token_ids`` too)."""
+
+    allowed: tuple[int, ...] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    min_new: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: GenerationConfig, stop_ids) -> "TokenMasks":
+        """The masks of a generation config (``allowed_token_ids``: an extra attribute); ``stop_ids``: the row's stop
+        tokens (:class:`medusa_lite.decode.stopping.StopRule`). ``ValueError`` for a malformed list."""
+        allowed = getattr(config, "allowed_token_ids", None)
+        allowed = None if allowed is None else tuple(sorted(set(_token_ids(allowed, "allowed_token_ids"))))
+        eos = config.eos_token_id
+        eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
+        words = tuple(_token_ids(w, "bad_words_ids") for w in config.bad_words_ids or ())
+        words = tuple(w for w in words if not (len(w) == 1 and w[0] in eos))
+        return cls(allowed, words, config.min_new_tokens or 0, tuple(sorted(stop_ids)))
+
+    @property
+    def active(self) -> bool:
+        return self.allowed is not None or bool(self.bad_words) or (self.min_new > 0 and bool(self.stop_ids))
+
+
+def masked_logits(scores: torch.Tensor, masks: TokenMasks, history: list[int], new_tokens: int, tokens: torch.Tensor,
+                  ancestors: torch.Tensor) -> torch.Tensor:
+    """Each tree node's scores [N, V] float32 with the tokens :class:`TokenMasks` forbids after that node's own prefix
+    set to -inf (in place). history: the prompt and the output so far, ending in the root (emitted already);
+    new_tokens: the output's count, the root included; tokens: [N] node tokens; ancestors: [N, N] bool, node i's path
+    (j is i or an ancestor of i), root included. Node i's prefix is the history and the tokens of its path below the
+    root (parents precede their children, so the path in index order is the path from the root)."""
+    vocab, device = scores.shape[-1], scores.device
+    if masks.allowed is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+        keep[torch.tensor(masks.allowed, device=device)] = True
+        scores[:, ~keep] = float("-inf")
+    if masks.min_new and masks.stop_ids:
+        early = (new_tokens + ancestors.sum(dim=1) - 1 < masks.min_new).nonzero().flatten()  # [n] nodes
+        stops = torch.tensor([t for t in masks.stop_ids if t < vocab], dtype=torch.long, device=device)
+        scores[early[:, None], stops[None]] = float("-inf")
+    single = [w[0] for w in masks.bad_words if len(w) == 1]
+    if single:
+        scores[:, torch.tensor(single, device=device)] = float("-inf")
+    longer = [w for w in masks.bad_words if len(w) > 1]
+    if longer:
+        tail = max(len(w) for w in longer) - 1
+        below_root = tokens.tolist()
+        for i, row in enumerate(ancestors.tolist()):
+            prefix = history[-tail:] + [below_root[j] for j in range(1, len(row)) if row[j]]
+            for word in longer:
+                if prefix[len(prefix) - len(word) + 1:] == list(word[:-1]):
+                    scores[i, word[-1]] = float("-inf")
     return scores
 
 

@@ -8,9 +8,11 @@ from .batch import SpeculativeBatch, prefill_chunks, run_batch, same_prompt_grou
 from .forward import prefill, verify_forward, verify_rows
 from .plans import (BatchPlanner, GrownTree, Plan, PlanCache, PromptLookup, StaticTree, draft_rows, first_nodes,
                     make_plan)
-from .sequence import GenerationStats, Sequence, Stopper
+from .sequence import GenerationStats, Sequence
+from .stopping import STOP_OPTIONS, Finish, StopRule, Stopper, eos_ids
 
-__all__ = ["BUCKETS", "BatchGuards", "BatchPlanner", "CyclingGuard", "FittedPlan", "GenerationStats", "GrownTree", "Plan",
-           "PlanCache", "PromptLookup", "Rung", "Sequence", "SpeculativeBatch", "SpeedGuard", "StaticTree", "Stopper",
-           "bucket_of", "draft_rows", "first_nodes", "make_plan", "prefill", "prefill_chunks", "run_batch",
-           "same_prompt_groups", "speculative_generate", "verify_forward", "verify_rows"]
+__all__ = ["BUCKETS", "STOP_OPTIONS", "BatchGuards", "BatchPlanner", "CyclingGuard", "Finish", "FittedPlan", "GenerationStats",
+           "GrownTree", "Plan", "PlanCache", "PromptLookup", "Rung", "Sequence", "SpeculativeBatch", "SpeedGuard",
+           "StaticTree", "StopRule", "Stopper", "bucket_of", "draft_rows", "eos_ids", "first_nodes", "make_plan",
+           "prefill", "prefill_chunks", "run_batch", "same_prompt_groups", "speculative_generate", "verify_forward",
+           "verify_rows"]

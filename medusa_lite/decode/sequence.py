@@ -10,10 +10,11 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from ..drafters import Draft
-from ..sampling import Penalties, TargetRows, build_warpers, penalized_logits, target_probs
+from ..sampling import Penalties, TargetRows, TokenMasks, build_warpers, masked_logits, penalized_logits, target_probs
 from ..tree import TreeBuffers
 from ..verify import accept, greedy_choice, sample_choice, sample_walk
 from .plans import Plan
+from .stopping import StopRule, Stopper
 
 
 @dataclass
@@ -32,6 +33,8 @@ class GenerationStats:
     prefill_time: float = 0.0  # seconds of the prompt's forward
     tree_nodes: int = 0
     fitted: dict | None = None  # with a tree fitted to the machine: steps per tree, realized speed per bucket
+    finish_reason: str | None = None  # why the row stopped (:class:`~.stopping.Finish`): "stop" or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that stopped it (vLLM's stop_reason)
 
     @property
     def drafted_nodes(self) -> int:
@@ -63,43 +66,8 @@ class GenerationStats:
             "acceptance_per_depth": self.acceptance_rate_per_depth(), "wall_time": self.wall_time,
             "target_time": self.target_time, "prefill_time": self.prefill_time, "overhead_share": self.overhead_share,
             "tokens_per_second": self.tokens_per_second, "tree_nodes": self.tree_nodes, "fitted": self.fitted,
+            "finish_reason": self.finish_reason, "stop_reason": self.stop_reason,
         }
-
-
-class Stopper:
-    """Decides, token by token, where plain decoding would have stopped."""
-
-    def __init__(self, prompt: torch.Tensor, config: GenerationConfig, max_new: int,
-                 criteria: StoppingCriteriaList | None):
-        eos = config.eos_token_id
-        self.eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
-        self.max_new = max_new
-        self.criteria = criteria if criteria else None
-        self.ids = prompt.tolist()
-        self.prompt_len = len(self.ids)
-        self.device = prompt.device
-
-    @property
-    def generated(self) -> list[int]:
-        return self.ids[self.prompt_len:]
-
-    @property
-    def remaining(self) -> int:
-        return self.max_new - (len(self.ids) - self.prompt_len)
-
-    def extend(self, tokens: list[int]) -> tuple[list[int], bool]:
-        """Append ``tokens`` one by one; return (the tokens kept, whether generation is finished)."""
-        kept = []
-        for tok in tokens:
-            self.ids.append(tok)
-            kept.append(tok)
-            if tok in self.eos or self.remaining <= 0:
-                return kept, True
-            if self.criteria is not None:
-                ids = torch.tensor([self.ids], device=self.device)
-                if bool(self.criteria(ids, None).any()):
-                    return kept, True
-        return kept, False
 
 
 @dataclass(eq=False)
@@ -123,6 +91,7 @@ class Sequence:
     plan_for: Callable[[object], Plan] | None = None
     tag: object = None                                       # the caller's handle (e.g. the server's request)
     logprobs: int | None = None                              # record emitted tokens' log-probs (+ this many top ones)
+    tokenizer: object = None                                 # decodes the row's text for its stop strings
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: BaseException | None = None                       # set when its streamer raised (e.g. a cancelled request)
     done: bool = False
@@ -132,7 +101,9 @@ class Sequence:
         self.warpers = build_warpers(self.config)
         self.penalties = Penalties.from_config(self.config)
         self._prompt_seen: torch.Tensor | None = None  # [V] bool, once the vocabulary is known (penalties only)
-        self.stopper = Stopper(self.prompt, self.config, self.max_new_tokens, self.stopping_criteria)
+        rule = StopRule.from_config(self.config, self.max_new_tokens, self.stopping_criteria, self.tokenizer)
+        self.stopper = Stopper(self.prompt, rule)
+        self.masks = TokenMasks.from_config(self.config, rule.stop_ids)
         self.cache_len = 0  # this row's tokens in the target's cache (its next position)
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per kept token (``logprobs`` set)
 
@@ -146,7 +117,7 @@ class Sequence:
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's token at the root from logits [1, V]: argmax, or one draw from the processed distribution."""
-        logits = self.penalized(logits, self.prompt.new_zeros(1), torch.ones(1, 1, dtype=torch.bool))
+        logits = self.processed(logits, self.prompt.new_zeros(1), torch.ones(1, 1, dtype=torch.bool))
         if not self.config.do_sample:
             return greedy_choice(logits)
         return sample_choice(target_probs(logits, self.warpers), self.generator)
@@ -154,16 +125,26 @@ class Sequence:
     def accept(self, draft: Draft, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [N, V] at the draft's nodes -> (accepted nodes [a+1] long, root first; bonus token [] long)."""
         tokens, buffers, proposals = draft
-        logits = self.penalized(logits, tokens, buffers.ancestor_mask)
+        logits = self.processed(logits, tokens, buffers.ancestor_mask)
         if not self.config.do_sample:
             return accept(tokens, greedy_choice(logits), buffers.paths)
         return sample_walk(tokens, buffers.parents, TargetRows(logits, self.warpers), proposals, self.generator)
 
-    def penalized(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """logits [N, V] at the nodes of a tree (``tokens`` [N], ``ancestors`` [N, N]) after each node's own prefix's
-        penalties (:func:`~medusa_lite.sampling.penalized_logits`); unchanged without penalties."""
-        if not self.penalties.active:
+        penalties and masks (:func:`~medusa_lite.sampling.penalized_logits`, :func:`~medusa_lite.sampling.masked_logits`),
+        as plain decoding processes them at the step that reaches the node; unchanged without either."""
+        if self.penalties.active:
+            logits = self.penalized(logits, tokens, ancestors)
+        if not self.masks.active:
             return logits
+        scores = logits.float() if self.penalties.active else logits.float().clone()
+        stopper = self.stopper
+        return masked_logits(scores, self.masks, stopper.ids, len(stopper.ids) - stopper.prompt_len,
+                             tokens.to(scores.device), ancestors.to(scores.device))
+
+    def penalized(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] after each node's own prefix's penalties (:func:`~medusa_lite.sampling.penalized_logits`)."""
         vocab, device = logits.shape[-1], logits.device
         if self._prompt_seen is None:
             prompt = self.prompt[self.prompt < vocab]  # ids beyond the output vocabulary cannot be penalized
@@ -189,6 +170,9 @@ class Sequence:
         self.done = True
         self.stats.new_tokens = len(self.stopper.generated)
         self.stats.wall_time = time.perf_counter() - self.started
+        finish = self.stopper.finish
+        if finish is not None:
+            self.stats.finish_reason, self.stats.stop_reason = finish.reason, finish.stop_reason
         report = getattr(self.plan, "report", None)  # a plan that learns from its steps (the step-report protocol)
         if report is not None:
             self.stats.fitted = report()
