@@ -77,6 +77,10 @@ def load_questions(path: str | Path = DEFAULT_QUESTIONS, *, limit: int | None = 
 
 
 def chat_prompt(tokenizer, text: str):
-    """[1, L] input ids of a one-turn chat with the tokenizer's chat template, generation prompt added."""
+    """[1, L] input ids of a one-turn chat with the tokenizer's chat template, generation prompt added; for a model
+    without a template (a base model) the text itself, which the model continues (the form its self-distilled
+    training data takes: ``distill-data`` on a base model)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(text, return_tensors="pt")["input_ids"]
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]

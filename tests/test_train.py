@@ -601,3 +601,33 @@ def test_grown_vocabulary_rows_start_where_training_moved_the_saved_ones():
     assert torch.allclose(merged[1::2], fresh[1::2] @ moved, atol=1e-4)
     norms = torch.ones(40)
     assert torch.equal(merge_vocabulary_rows(norms, torch.full((20,), 2.0), rows)[1::2], norms[1::2])  # 1-D: fresh
+
+
+def test_distill_data_continues_text_for_a_base_model_and_trains_on_the_continuation(material, tmp_path):
+    """A target without a chat template (a base model) continues the prompt's text: each record is the text and its
+    continuation with ``prompt_chars``, and training learns the continuation only."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from medusa_lite.train.distill_data import main as distill_main
+
+    base = tmp_path / "base-target"
+    shutil.copytree(material["target"], base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    tok = AutoTokenizer.from_pretrained(base)
+    assert not tok.chat_template
+    out = tmp_path / "continued.jsonl"
+    distill_main(["--target", str(base), "--prompts", str(material["data"]), "--out", str(out), "--num-prompts", "6",
+                  "--max-new-tokens", "6", "--batch-size", "4", "--dtype", "fp32", "--mix", "chat,multi,continue"])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert rows and all("messages" not in r and 0 < r["prompt_chars"] < len(r["text"]) for r in rows)
+    records, _ = D.read_records(out)
+    enc = D.encode_record(tok, records[0], max_len=200)
+    learnt = [i for i, m in zip(enc["input_ids"], enc["loss_mask"]) if m]
+    assert learnt and tok.decode(learnt).strip() == records[0]["text"][records[0]["prompt_chars"]:].strip()
+    with pytest.raises(ValueError, match="prompt_chars"):
+        D.normalize_record({"text": "abc", "prompt_chars": 3})

@@ -166,13 +166,20 @@ def run_data(root: Path, ledger: dict, args: CampaignSettings) -> None:
             chunks += 1
             entry = next_chunk(ledger, args.chunk)
             interrupted = distill_chunk(root, entry, args, max(deadline - time.time(), 0) / 60,
-                                        Path("runs/campaign/data"))
+                                        scratch_dir(root, "data"))
             save_ledger(root, ledger)
             print(f"campaign: {entry['file']}: {entry['records']} records, complete={entry['complete']}", flush=True)
             if interrupted or time.time() >= deadline:
                 return
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def scratch_dir(root: Path, stage: str) -> Path:
+    """Where a stage's uncompressed work files live, a folder per campaign (``runs/campaign/data`` for the default
+    ``campaign``, ``runs/gemma3-270m/data`` for ``campaign/gemma3-270m``): two campaigns on one machine never take
+    each other's half-written chunks."""
+    return Path("runs") / root.name / stage
 
 
 def _interrupt(signum, frame):
@@ -184,7 +191,7 @@ def run_eval(root: Path, ledger: dict, args: CampaignSettings) -> None:
     entry = ledger["eval"] or new_entry("eval/heldout.jsonl.gz", args.eval_start, args.eval_prompts)
     ledger["eval"] = entry
     if not entry["complete"]:
-        distill_chunk(root, entry, args, args.minutes, Path("runs/campaign/eval"))
+        distill_chunk(root, entry, args, args.minutes, scratch_dir(root, "eval"))
         save_ledger(root, ledger)
     print(f"campaign: {entry['file']}: {entry['records']} held-out records, complete={entry['complete']}")
 

@@ -4,7 +4,8 @@ Records are read with a tolerant reader (malformed records are counted and skipp
 array keeps every complete record), wrapped in a :class:`datasets.Dataset`, formatted with the
 target tokenizer's chat template and tokenized. The loss mask is 1 exactly on the tokens of assistant
 turns (content and the closing end-of-turn marker); system and user tokens get 0. Plain-text records
-are trained on in full.
+are trained on in full, or from ``prompt_chars`` on: a base model's self-distilled record is the text it was given
+and its own continuation, and only the continuation is learnt.
 
 The training loop sees one flat token stream (documents concatenated, ``segments`` tells them apart)
 cut into fixed windows (:func:`make_windows`); predictions never cross a document boundary.
@@ -106,7 +107,10 @@ def normalize_record(raw: Any) -> dict[str, Any]:
     if isinstance(raw.get("text"), str) and "messages" not in raw and "conversations" not in raw:
         if not raw["text"].strip():
             raise ValueError("empty text")
-        return {"messages": [], "text": raw["text"]}
+        prompt_chars = raw.get("prompt_chars", 0)
+        if not isinstance(prompt_chars, int) or not 0 <= prompt_chars < len(raw["text"]):
+            raise ValueError(f"prompt_chars {prompt_chars!r} is not a position inside the text")
+        return {"messages": [], "text": raw["text"], "prompt_chars": prompt_chars}
     turns = raw.get("messages", raw.get("conversations"))
     if not isinstance(turns, list) or not turns:
         raise ValueError("no 'messages'/'conversations' list and no 'text'")
@@ -121,7 +125,7 @@ def normalize_record(raw: Any) -> dict[str, Any]:
         messages.append({"role": ROLES[role], "content": content})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise ValueError("no non-empty assistant turn")
-    return {"messages": messages, "text": ""}
+    return {"messages": messages, "text": "", "prompt_chars": 0}
 
 
 def read_records(path: Path, *, limit: int | None = None, seed: int = 0) -> tuple[list[dict], Counter]:
@@ -219,14 +223,14 @@ def encode_record(tokenizer, record: dict, max_len: int) -> dict[str, list[int]]
     if record["messages"]:
         text, spans = assistant_spans(tokenizer, record["messages"], max_chars)
     else:
-        text, spans = record["text"], [(0, len(record["text"]))]
+        text, spans = record["text"], [(record.get("prompt_chars", 0), len(record["text"]))]
     enc = tokenizer(text[:max_chars], add_special_tokens=not record["messages"], return_offsets_mapping=True)
     if len(enc["input_ids"]) < max_len and len(text) > max_chars:
         enc = tokenizer(text, add_special_tokens=not record["messages"], return_offsets_mapping=True)
     ids = enc["input_ids"][:max_len]
     offsets = enc["offset_mapping"][:max_len]
     mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in offsets]
-    if not record["messages"]:
+    if not record["messages"] and not record.get("prompt_chars"):  # all of a plain text is learnt
         mask = [1] * len(ids)
     return {"input_ids": ids, "loss_mask": mask}
 
