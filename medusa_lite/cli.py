@@ -40,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"medusa-lite: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from .paths import TargetError
     from .settings import SettingsError
 
     try:
         result = importlib.import_module(COMMANDS[name][0]).main(rest)
-    except SettingsError as e:  # a bad setting: the message names it; no traceback
-        print(f"error: {e}", file=sys.stderr)
+    except (SettingsError, TargetError) as e:  # a bad setting or a target that does not load: the message says
+        print(f"error: {e}", file=sys.stderr)  # what was wrong or tried; no traceback
         return 2
     return result if isinstance(result, int) else 0
 

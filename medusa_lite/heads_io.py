@@ -16,7 +16,7 @@ from ._hf import text_config
 from .config import CONFIG_NAME, TREE_NAME, WEIGHTS_NAME
 from .drafters import DRAFTERS, MedusaConfig
 from .drafters.registry import public_drafter
-from .paths import PRETRAINED_ROOT, bundled_heads
+from .paths import PRETRAINED_ROOT, bundled_heads, hub_snapshot, is_hub_id
 from .tree import load_tree, parse_tree, tree_json
 
 PUBLIC_WEIGHTS = ("model.safetensors", "medusa_lm_head.safetensors")  # vLLM / SpecForge, FasterDecoding
@@ -100,18 +100,13 @@ def resolve_heads_dir(heads: str | Path, revision: str | None = None) -> Path:
         return path
     if str(heads) in bundled_heads():
         return PRETRAINED_ROOT / str(heads)
-    parts = str(heads).split("/")
-    if len(parts) != 2 or not all(parts) or path.exists():
+    if not is_hub_id(str(heads)):
         raise FileNotFoundError(f"{heads}: no such heads directory (nor a bundled drafter {bundled_heads()}, nor a "
                                 "Hub repo id 'org/name')")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
     try:
-        return Path(snapshot_download(str(heads), revision=revision, allow_patterns=["*.json", "*.safetensors"]))
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
-        raise FileNotFoundError(f"{heads}: not a local directory, and the Hub repo could not be read "
-                                f"({type(e).__name__}: {e})") from e
+        return hub_snapshot(str(heads), revision, ["*.json", "*.safetensors"])
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"{heads}: not a local directory, and {e}") from e
 
 
 def public_weights(heads_dir: Path) -> Path:

@@ -1,4 +1,5 @@
-"""Where things are: the user's cache folder and the files shipped with the package (a leaf: no project import)."""
+"""Where things are: the user's cache folder, the files shipped with the package and snapshots of Hub repos in the
+Hugging Face cache (a leaf: no project import)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,30 @@ def resolve_config(kind: str, name_or_path: str | Path) -> Path:
         return shipped
     raise FileNotFoundError(f"{kind} config {str(name_or_path)!r}: no such file, and not one of the shipped "
                             f"{kind} configs {shipped_configs(kind)}")
+
+
+class TargetError(OSError):
+    """A target that could not be found or loaded; the message says what was tried (a command prints it, no
+    traceback)."""
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` has the shape of a Hub repo id, ``org/name`` (a path that exists locally never is one)."""
+    parts = str(name).split("/")
+    return len(parts) == 2 and all(parts) and not str(name).startswith((".", "~")) and not Path(name).exists()
+
+
+def hub_snapshot(repo_id: str, revision: str | None, patterns: list[str], ignore: list[str] | None = None) -> Path:
+    """The local folder of ``repo_id`` at ``revision`` (None: main) through ``huggingface_hub.snapshot_download``: the
+    Hugging Face cache when it holds it (all there is with ``HF_HUB_OFFLINE=1``), else the files matching
+    ``patterns`` (and not ``ignore``) downloaded. ``FileNotFoundError`` naming the repo, revision and cache when it cannot be read."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, ignore_patterns=ignore))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        offline = " (HF_HUB_OFFLINE: the cache only)" if constants.HF_HUB_OFFLINE else ""
+        raise FileNotFoundError(f"the Hub repo {repo_id} at revision {revision or 'main'} could not be read from the "
+                                f"cache {constants.HF_HUB_CACHE}{offline} or the Hub ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''})") from e

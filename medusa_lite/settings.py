@@ -15,7 +15,7 @@ import dataclasses
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from .paths import resolve_config, shipped_configs
 
@@ -56,6 +56,49 @@ class Names(Ints):
 
     label = "comma-separated names"
     item = staticmethod(lambda x: str(x).strip())
+
+
+class Device(str):
+    """``--device``, checked as it is parsed; what it means on this machine is decided when the target loads
+    (:func:`medusa_lite.targets.resolve_device`)."""
+
+    label = "auto, cpu, cuda or cuda:N"
+
+    def __new__(cls, text: str = "auto"):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(text)):
+            raise ValueError(f"device {text!r}: expected {cls.label}")
+        return super().__new__(cls, text)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TargetOptions:
+    """The options of every command that loads a target (train, distill-data, calibrate, diagnose, bench, serve, demo,
+    export-vllm): their settings inherit these, so each flag means the same in every command."""
+
+    target: str | None = option(None, "Hub repo id (org/name, read through the Hugging Face cache), model folder or "
+                                      ".gguf file; none: the bundled default target")
+    revision: str | None = option(None, "Hub revision (branch, tag or commit) of a Hub id target; none: main")
+    device: Device = option(Device("auto"), "auto: the CUDA device where there is one, else the CPU; cpu; cuda; "
+                                            "cuda:N")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto", "the target's dtype; auto: bf16 on a CUDA device that runs it natively, else fp32")
+
+    def resolve(self):
+        """``auto`` replaced by what it means on this machine (``device`` e.g. 'cpu' or 'cuda:0', ``dtype`` 'fp32' or
+        'bf16'), so reports and caches name what ran; returns self."""
+        from ._hf import dtype_name
+        from .targets import resolve_device, resolve_dtype
+
+        device = resolve_device(self.device)
+        dtype = dtype_name(resolve_dtype(self.dtype, device))
+        self.device = Device(str(device))
+        self.dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+        return self
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """``target``, ``revision``, ``device`` and ``dtype`` as :func:`medusa_lite.targets.load_target` and
+        :func:`~medusa_lite.targets.load_model` take them."""
+        return {"target": self.target, "revision": self.revision, "device": self.device, "dtype": self.dtype}
 
 
 class SettingsParser:

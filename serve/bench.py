@@ -1,6 +1,6 @@
 """medusa-lite bench: the Spec-Bench protocol (docs/benchmark.md) -- plain generate vs prompt lookup vs medusa_lite.
 
-    medusa-lite bench                                   # all 480 questions, 256 new tokens, greedy, fp32
+    medusa-lite bench                                   # all 480 questions, 256 new tokens, greedy, fp32 (CPU)
     medusa-lite bench --limit 5 --max-new-tokens 128    # quick: the first 5 questions of each task
     medusa-lite bench --temperature 1.0 --dtype bf16 --methods plain,medusa
     medusa-lite bench --limit 5 --methods plain,medusa --heads A --vs-heads B   # two drafters, paired
@@ -23,17 +23,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from tqdm import tqdm
 
 from medusa_lite import MedusaModel
-from medusa_lite._hf import grouped_attention
+from medusa_lite.attention import attending
 from medusa_lite.kernels import SkinnyLinears, attention_kernel, skinny_kernel
 from medusa_lite.serve.bench_report import markdown, save
 from medusa_lite.serve.compare import compare
-from medusa_lite.settings import Names, SettingsParser, option
+from medusa_lite.settings import Names, SettingsParser, TargetOptions, option
 from medusa_lite.specbench import DEFAULT_QUESTIONS, TASKS, chat_prompt, load_questions
 from medusa_lite.targets import describe_heads, load_model
 from medusa_lite.tree import load_tree, parse_tree, tree_json, tree_nodes
@@ -49,20 +48,17 @@ DRAFTED = ("medusa", "vs")  # methods whose generate calls report acceptance sta
 
 # ------------------------------------------------------------------------------------------ parse
 @dataclass
-class BenchSettings:
+class BenchSettings(TargetOptions):
     """``medusa-lite bench`` settings: these defaults < ``--config FILE`` < flags."""
 
     questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl (default: the copy shipped with "
                                                     "medusa_lite)")
-    target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
                                " (default: the bundled default, else fresh heads)")
     vs_heads: str | None = option(None, "a second drafter (directory, bundled name or Hub repo id) on the same "
                                         "target, run as method vs beside medusa and paired with it per question")
     tree: str | None = option(None, "tree JSON file or a shipped tree name (default: the tree fitted to this machine)")
     fit: bool = option(True, "fit the tree to this machine; --no-fit: the heads' stored tree")
-    dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")
-    device: str = option("cpu", "cpu or cuda")
     max_new_tokens: int = option(256, "new tokens per question")
     limit: int | None = option(None, "questions per task (default: all 80)")
     tasks: Names = option(Names(TASKS), "Spec-Bench tasks")
@@ -150,7 +146,7 @@ def make_runners(drafters: dict[str, MedusaModel], gen: dict, pld_tokens: int) -
     def kernel(ids):  # plain decoding through medusa_lite's kernels: every linear skinny, the single query packed
         nonlocal fast
         fast = fast or SkinnyLinears(target)
-        with fast, grouped_attention(single_query=True, small=attention_kernel()):
+        with fast, attending(target, single_query=True, small=attention_kernel()):
             return target.generate(ids, attention_mask=torch.ones_like(ids), **gen)
 
     return {"plain": plain, "pld": pld, "medusa": medusa, "loop": loop, "stored": stored, "vs": vs, "kernel": kernel}
@@ -302,7 +298,7 @@ def prepare_drafter(model: MedusaModel, args: BenchSettings, greedy: bool):
 def build_drafters(args: BenchSettings, greedy: bool) -> tuple[dict, dict, object]:
     """The drafter(s) on one target, ``{"medusa": model}`` and ``"vs"`` with ``--vs-heads``; their fits; the
     tokenizer."""
-    model, tokenizer = load_model(args.target, args.heads, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(heads=args.heads, **args.load_kwargs())
     drafters = {"medusa": model}
     if args.vs_heads:
         drafters["vs"] = MedusaModel.from_pretrained(model.base_model, args.vs_heads)
@@ -311,7 +307,7 @@ def build_drafters(args: BenchSettings, greedy: bool) -> tuple[dict, dict, objec
 
 def main(argv: list[str] | None = None) -> dict:
     # parse
-    args = parse_args(argv)
+    args = parse_args(argv).resolve()  # the report names the device and dtype that ran
     if args.threads:
         torch.set_num_threads(args.threads)
     greedy = args.temperature == 0
@@ -337,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary["overall"] = summarize(rows, args.methods, greedy)
     report = {
         "config": {
-            "target": args.target or "SmolLM2-135M-Instruct", "heads": describe_heads(model),
+            "target": args.target or "SmolLM2-135M-Instruct", "revision": args.revision, "heads": describe_heads(model),
             "vs_heads": describe_heads(drafters["vs"]) if "vs" in drafters else None, "dtype": args.dtype,
             "decoding": "greedy" if greedy else f"sampling T={args.temperature}", "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "questions_per_task": args.limit or "all",

@@ -29,7 +29,6 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -37,7 +36,7 @@ from medusa_lite import MedusaConfig
 from medusa_lite.calibrate import acceptance_table, continuations, measure_head_accuracy
 from medusa_lite.fit import AcceptanceTable
 from medusa_lite.paths import PRETRAINED_DIR
-from medusa_lite.settings import SettingsParser, option
+from medusa_lite.settings import SettingsParser, TargetOptions, option
 from medusa_lite.specbench import CALIBRATION_PROMPTS, load_questions
 from medusa_lite.targets import load_model
 
@@ -45,12 +44,10 @@ REPORT_NAME = "calibration.json"
 
 
 @dataclass
-class CalibrateSettings:
+class CalibrateSettings(TargetOptions):
     """``medusa-lite calibrate`` settings: these defaults < ``--config FILE`` < flags."""
 
     heads: str = option(str(PRETRAINED_DIR), "heads directory (default: the bundled heads)")
-    target: str | None = option(None, "target: HF directory or .gguf (default: SmolLM2-135M-Instruct)")
-    dtype: Literal["fp32", "bf16"] = option("fp32", "dtype of the target")
     questions: str = option(str(CALIBRATION_PROMPTS), "prompts JSONL: rows {question_id, task, turns} or Spec-Bench's "
                                                       "question.jsonl (default: the shipped calibration prompts)")
     per_task: int = option(2, "prompts per task (the last ones)")
@@ -78,14 +75,14 @@ def parse_args(argv: list[str] | None = None) -> CalibrateSettings:
 
 def main(argv: list[str] | None = None) -> dict:
     # parse
-    args = parse_args(argv)
+    args = parse_args(argv).resolve()  # the table and the report name the dtype that ran
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     heads_dir = Path(args.heads)
 
     # build
-    model, tokenizer = load_model(args.target, heads_dir, dtype=args.dtype)
+    model, tokenizer = load_model(heads=heads_dir, **args.load_kwargs())
     model.fit_enabled = False  # the continuations are decoded with the stored tree; the fit comes last
     report = {"heads": str(heads_dir), "target": args.target or "SmolLM2-135M-Instruct", "dtype": args.dtype,
               "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {platform.processor()}".strip(),

@@ -1,14 +1,14 @@
-"""make demo: the default target + bundled heads on a few chat prompts, plain generate vs medusa_lite."""
+"""make demo: a target (the default one + its bundled heads unless told) on a few chat prompts, plain generate vs
+medusa_lite."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from medusa_lite.settings import SettingsParser, option
+from medusa_lite.settings import SettingsParser, TargetOptions, option
 from medusa_lite.specbench import chat_prompt
 from medusa_lite.targets import load_model
 
@@ -20,10 +20,9 @@ PROMPTS = [
 
 
 @dataclass
-class DemoSettings:
+class DemoSettings(TargetOptions):
     """``medusa-lite demo`` settings: these defaults < ``--config FILE`` < flags."""
 
-    dtype: Literal["fp32", "bf16"] = option("fp32", "target dtype")
     max_new_tokens: int = option(128, "new tokens per prompt")
     heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
                                " (default: the bundled default)")
@@ -53,21 +52,21 @@ def guard_summary(fit, fitted: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_args(argv).resolve()  # the summary names the dtype that ran
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tok = load_model(None, args.heads, dtype=args.dtype)
+    model, tok = load_model(heads=args.heads, **args.load_kwargs())
     model.fit_enabled = args.fit
     fit = model.fit_hardware() if args.fit else None
     print(fit.report() if fit else "tree: the heads' stored tree (no hardware fit)")
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    warm = chat_prompt(tok, "Hi")
+    warm = chat_prompt(tok, "Hi").to(model.device)
     model.generate(warm, max_new_tokens=8)  # warm-up, excluded
     totals = {"plain": [0, 0.0], "medusa": [0, 0.0]}
     accepted, identical = [], 0
     for i, prompt in enumerate(PROMPTS, 1):
-        ids = chat_prompt(tok, prompt)
+        ids = chat_prompt(tok, prompt).to(model.device)
         ref, t_plain = timed(lambda: model.base_model.generate(ids, **gen))
         out, t_medusa = timed(lambda: model.generate(ids, **gen))
         n_ref, n_out = ref.shape[1] - ids.shape[1], out.shape[1] - ids.shape[1]

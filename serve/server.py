@@ -28,7 +28,7 @@ import torch
 from prometheus_client import disable_created_metrics
 
 from medusa_lite import MedusaModel
-from medusa_lite.settings import SettingsParser, option
+from medusa_lite.settings import SettingsParser, TargetOptions, option
 from medusa_lite.targets import DEFAULT_TARGET, load_model
 from medusa_lite.tree import parse_tree, tree_nodes
 
@@ -41,16 +41,13 @@ log = logging.getLogger("medusa_lite.serve")
 
 # ====================================================================== settings
 @dataclass
-class Settings:
+class Settings(TargetOptions):
     """Server settings. Precedence: these defaults < the YAML file (``--config``; the shipped ``default``) < flags."""
 
     host: str = option("127.0.0.1", "listen address (0.0.0.0: all interfaces)")
     port: int = option(8000, "listen port")
-    target: str | None = option(None, "HF directory or .gguf file; none: the bundled default target")
     heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
                                "; none: the bundled default (default target), else fresh heads")
-    dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "target dtype")
-    device: str = option("cpu", "cpu or cuda")
     served_model_name: str | None = option(None, "the model id clients send; none: the target's name")
     max_queue: int = option(16, "requests waiting while the batch is full; more get 429")
     max_batch_size: int = option(16, "requests decoded at once (continuous batching); 1: one at a time")
@@ -71,7 +68,7 @@ class Settings:
                   "max_batch_size": self.max_batch_size >= 1, "max_batched_tokens": self.max_batched_tokens >= 1,
                   "max_prefill_tokens": self.max_prefill_tokens >= 1, "arrival_window_ms": self.arrival_window_ms >= 0,
                   "default_max_tokens": self.default_max_tokens >= 1, "max_body_bytes": self.max_body_bytes >= 1024,
-                  "dtype": self.dtype in ("fp32", "bf16", "fp16"), "shutdown_timeout": self.shutdown_timeout >= 0}
+                  "shutdown_timeout": self.shutdown_timeout >= 0}
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid serve settings: {', '.join(f'{n}={getattr(self, n)!r}' for n in bad)}")
@@ -85,7 +82,7 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
 
 def build_model(settings: Settings) -> tuple[MedusaModel, Any, str]:
     """(model, tokenizer, served name) from the settings."""
-    model, tok = load_model(settings.target, settings.heads, dtype=settings.dtype, device=settings.device)
+    model, tok = load_model(heads=settings.heads, **settings.load_kwargs())
     name = Path(settings.target).name if settings.target else DEFAULT_TARGET
     return model, tok, settings.served_model_name or name
 
@@ -95,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     # 1. settings: defaults < YAML < flags
-    settings = parse_settings(argv)
+    settings = parse_settings(argv).resolve()  # the log names the device and dtype that run
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -146,7 +146,7 @@ def test_from_pretrained_takes_a_hub_repo_id_from_the_offline_cache(tmp_path, mo
     loaded = MedusaModel.from_pretrained(target, "someone/tiny-heads")
     assert loaded.heads_dir == repo / "snapshots" / commit
     assert all(torch.equal(loaded.drafter.state_dict()[k], v) for k, v in model.drafter.state_dict().items())
-    with pytest.raises(FileNotFoundError, match="Hub repo could not be read"):
+    with pytest.raises(FileNotFoundError, match="Hub repo someone/not-cached at revision main could not be read"):
         MedusaModel.from_pretrained(target, "someone/not-cached")
     with pytest.raises(FileNotFoundError, match="no such heads directory"):
         MedusaModel.from_pretrained(target, str(tmp_path / "missing" / "deeper" / "dir"))

@@ -103,7 +103,7 @@ def test_settings_precedence_and_unknown_keys(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("port: 9000\nmax_queue: 3\n")
     s = server.parse_settings(["--config", str(cfg), "--port", "9100"])
-    assert (s.port, s.max_queue, s.dtype) == (9100, 3, "fp32")  # flag > YAML > default
+    assert (s.port, s.max_queue, s.dtype) == (9100, 3, "auto")  # flag > YAML > default
     cfg.write_text("prot: 9000\n")
     with pytest.raises(ValueError, match="prot"):
         server.parse_settings(["--config", str(cfg)])

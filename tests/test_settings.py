@@ -85,3 +85,54 @@ def test_demo_guard_summary_names_every_rung_the_guard_ran():
     line = guard_summary(fit, fitted)
     assert "predicted 20.2 tok/s" in line and "realized 13.9 tok/s" in line
     assert line.endswith("(steps per tree, as the guard chose: root alone: 81, [[0],[0,0]]: 8)")
+
+
+# the commands that load a target, by their name in medusa_lite.cli.COMMANDS
+LOADING = ("train", "distill-data", "calibrate", "diagnose", "bench", "serve", "demo", "export-vllm")
+
+
+def _target_settings(command: str) -> type:
+    """The settings class of ``command`` (the one class in its module built on TargetOptions)."""
+    import importlib
+
+    from medusa_lite.cli import COMMANDS
+    from medusa_lite.settings import TargetOptions
+
+    module = importlib.import_module(COMMANDS[command][0])
+    found = {v for v in vars(module).values() if isinstance(v, type) and issubclass(v, TargetOptions)}
+    found.discard(TargetOptions)
+    assert len(found) == 1, f"{command}: settings built on TargetOptions: {found}"
+    return found.pop()
+
+
+def test_every_loading_command_names_its_target_device_and_dtype_one_way(tmp_path, monkeypatch):
+    """Each command that loads a target takes a Hub id, a folder or a GGUF file, ``--revision``, ``--device`` and
+    ``--dtype`` as the same flags (YAML keys too), and they resolve the same way; ``auto`` is the default (export
+    writes bf16 unless told)."""
+    from target_helpers import named_targets
+
+    from medusa_lite.targets import locate_target
+
+    named = named_targets(tmp_path, monkeypatch)
+    config = tmp_path / "target.yaml"
+    config.write_text(f"target: {named['folder']}\ndevice: cuda:0\ndtype: fp16\n")
+    for command in LOADING:
+        cls = _target_settings(command)
+        parser = SettingsParser(cls, prog=command, kind=command)
+        required = ["--out", "x.jsonl"] if command == "distill-data" else []
+        defaults = parser.parse(required)[0]
+        assert (defaults.target, defaults.revision, defaults.device) == (None, None, "auto"), command
+        assert defaults.dtype == ("bf16" if command == "export-vllm" else "auto"), command
+        for kind, revision in (("hub", "v2"), ("folder", None), ("gguf", None)):
+            argv = ["--target", str(named[kind]), "--device", "cuda:1", "--dtype", "bf16"]
+            s = parser.parse(required + argv + (["--revision", revision] if revision else []))[0]
+            assert s.load_kwargs() == {"target": str(named[kind]), "revision": revision, "device": "cuda:1",
+                                       "dtype": "bf16"}, command
+            assert locate_target(s.target, s.revision)[1] == ("tiny.gguf" if kind == "gguf" else None)
+        s = parser.parse(required + ["--config", str(config), "--device", "cpu"])[0]
+        assert (s.target, s.device, s.dtype) == (str(named["folder"]), "cpu", "fp16"), command
+        assert s.resolve().load_kwargs()["device"] == "cpu" and s.dtype == "fp16"
+        assert parser.parse(required + ["--dtype", "auto"])[0].resolve().dtype == "fp32"  # this CPU
+        for bad in (["--device", "gpu"], ["--dtype", "fp8"]):
+            with pytest.raises(SettingsError, match="'device'|'dtype'"):
+                parser.parse(required + bad)

@@ -7,15 +7,17 @@ from typing import Literal
 
 import torch
 
-from medusa_lite.settings import Ints, option
+from medusa_lite.settings import Ints, TargetOptions, option
 
 
 @dataclass
-class TrainConfig:
-    """Every training option, flat. Precedence: these defaults < the YAML file < command-line flags."""
+class TrainConfig(TargetOptions):
+    """Every training option, flat (the target's first: :class:`TargetOptions`). Precedence: these defaults < the YAML
+    file < command-line flags."""
 
-    # target
-    target: str | None = option(None, "HF directory or .gguf file; none: the bundled default target")
+    # target (its dtype follows the training precision unless told)
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "auto", "the target's dtype; auto: the resolved precision's (bf16 or fp32)", kw_only=True)
     adapter: str | None = option(None, "PEFT (LoRA) adapter directory, merged into the target")
     # heads
     head_type: str = option("medusa", "the registered drafter: medusa (heads read h_t only), hydra (heads also read "

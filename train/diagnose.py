@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_lite.settings import SettingsParser, option
+from medusa_lite.settings import SettingsParser, TargetOptions, option
 from medusa_lite.specbench import DEFAULT_QUESTIONS, load_questions
 
 CONTEXT_BUCKETS = (256, 512, 1024, 2048)   # upper bounds of the context length at the predicted token
@@ -34,12 +34,11 @@ ANSWER_BUCKETS = (16, 64, 128, 256, 512)   # upper bounds of the position in the
 
 
 @dataclass
-class DiagnoseSettings:
+class DiagnoseSettings(TargetOptions):
     """``medusa-lite diagnose`` settings: these defaults < ``--config FILE`` < flags."""
 
     heads: str | None = option(None, "heads directory, bundled drafter name or Hub repo id"
                                " (default: the bundled default)")
-    target: str | None = option(None, "target: HF directory or .gguf (default: the bundled default target)")
     questions: str = option(str(DEFAULT_QUESTIONS), "Spec-Bench question.jsonl")
     per_task: int = option(5, "Spec-Bench questions per task (the first ones: the benchmark's own)")
     max_new_tokens: int = option(256, "length of the target's continuations")
@@ -158,6 +157,9 @@ def specbench_sequences(model, tokenizer, args) -> list[tuple[str, torch.Tensor,
     questions = load_questions(args.questions, limit=args.per_task)
     key = {"question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
            "target": args.target}
+    # a revision or a dtype other than fp32 joins the key; fp32 keeps the key of the committed caches
+    key.update({name: value for name, value in (("revision", args.revision), ("dtype", args.dtype))
+                if value not in (None, "fp32")})
     cache = Path(args.continuations) if args.continuations else None
     if cache is not None and cache.is_file() and json.loads(cache.read_text())["key"] == key:
         saved = json.loads(cache.read_text())["sequences"]
@@ -199,13 +201,13 @@ def markdown(rows: list[dict], num_heads: int) -> str:
 def main(argv=None) -> dict:
     # parse
     args = SettingsParser(DiagnoseSettings, prog="medusa-lite diagnose", description=__doc__,
-                          kind="diagnose").parse(argv)[0]
+                          kind="diagnose").parse(argv)[0].resolve()  # the cache key names the dtype that ran
     if args.threads:
         torch.set_num_threads(args.threads)
     from medusa_lite.targets import load_model
 
     # build
-    model, tokenizer = load_model(args.target, args.heads)
+    model, tokenizer = load_model(heads=args.heads, **args.load_kwargs())
     tokenizer.padding_side = "left"
     sequences = specbench_sequences(model, tokenizer, args)
     if args.heldout:
@@ -214,7 +216,7 @@ def main(argv=None) -> dict:
     # run
     tally = Tally(model.config.num_heads)
     for group, ids, start in sequences:
-        hits, labels = score_sequence(model, ids, start)
+        hits, labels = score_sequence(model, ids.to(model.device), start)
         for name in (group, group.split("/")[0] + "/all"):  # the group and its source's total
             tally.add(name, hits, labels)
 

@@ -21,11 +21,10 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from medusa_lite.settings import Names, SettingsParser, option
+from medusa_lite.settings import Names, SettingsParser, TargetOptions, option
 from medusa_lite.train import data as D
 
 
@@ -33,18 +32,16 @@ KINDS = ("chat", "multi", "summarize", "translate", "passage", "arithmetic", "co
 
 
 @dataclass
-class DistillSettings:
+class DistillSettings(TargetOptions):
     """``medusa-lite distill-data`` settings: these defaults < ``--config FILE`` < flags."""
 
     out: str = option(help="output JSONL (appended to; resumable)")
-    target: str | None = option(None, "HF directory or .gguf (default: the bundled default target)")
     prompts: str = option("sharegpt", "'sharegpt' or a chat .json/.jsonl file")
     num_prompts: int = option(4000, "prompts answered")
     skip_prompts: int = option(0, "start after this many prompts (disjoint sets)")
     max_prompt_tokens: int = option(1024, "longer prompts are skipped")
     max_new_tokens: int = option(256, "answer length")
     batch_size: int = option(64, "prompts per batched generate")
-    dtype: Literal["bf16", "fp32"] = option("bf16", "target dtype")
     threads: int | None = option(None, "torch.set_num_threads")
     shard: str = option("0/1", "i/n: this process takes every n-th prompt from the i-th")
     seed: int = option(0, "seed of the prompt order")
@@ -185,7 +182,7 @@ def main(argv=None) -> dict:
     from medusa_lite.targets import load_target
 
     shard, shards = (int(x) for x in args.shard.split("/"))
-    target, tokenizer = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    target, tokenizer = load_target(**args.load_kwargs())
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

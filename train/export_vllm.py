@@ -1,6 +1,6 @@
 """Write medusa_lite heads in the checkpoint layout vLLM's Medusa proposer loads.
 
-    medusa-lite export-vllm HEADS_DIR OUT_DIR [--target PATH] [--dtype bf16]
+    medusa-lite export-vllm HEADS_DIR OUT_DIR [--target PATH_OR_HUB_ID] [--dtype bf16]
 
 OUT_DIR gets ``config.json`` ({"model_type": "medusa", "architectures": ["MedusaModel"], ...}) and
 ``model.safetensors`` with ``blocks.{h}.layers.{l}.weight|bias`` and ``lm_heads.{h}.weight``. vLLM
@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from medusa_lite.config import WEIGHTS_NAME
 from medusa_lite.drafters import MedusaConfig
 from medusa_lite.drafters import drafter_class
-from medusa_lite.settings import SettingsParser, option
+from medusa_lite.settings import SettingsParser, TargetOptions, option
 from medusa_lite._hf import parse_dtype
 from medusa_lite.targets import DEFAULT_TARGET, load_target
 
@@ -45,12 +45,13 @@ def export_vllm(heads_dir: str | Path, out_dir: str | Path, *, lm_head_weight: t
 
 
 @dataclass
-class ExportSettings:
-    """``medusa-lite export-vllm HEADS_DIR OUT_DIR`` options: these defaults < ``--config FILE`` < flags."""
+class ExportSettings(TargetOptions):
+    """``medusa-lite export-vllm HEADS_DIR OUT_DIR`` options: these defaults < ``--config FILE`` < flags. The target
+    (for a shared lm_head) defaults to the heads' recorded base model, else the bundled default target."""
 
-    target: str | None = option(None, "target directory / .gguf (for a shared lm_head); default: the heads' base "
-                                      "model, or the bundled default target")
-    dtype: Literal["bf16", "fp16", "fp32"] = option("bf16", "dtype of the written tensors")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = option(
+        "bf16", "the target's dtype and the written tensors'; auto: bf16 on a CUDA device that runs it natively, "
+                "else fp32", kw_only=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("heads_dir", help="medusa_lite heads directory")
     parser.add_argument("out_dir", help="vLLM checkpoint directory to write")
     settings, paths = parser.parse(argv)
+    settings.resolve()
     args = argparse.Namespace(**vars(settings), **vars(paths))
     config = MedusaConfig.load(args.heads_dir)
     refusal = drafter_class(config.head_type).vllm_refusal
@@ -65,14 +67,13 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"vLLM cannot run {config.head_type!r} drafters: {refusal}")
     lm_head_weight = None
     if config.share_lm_head:
-        target_path = args.target
-        if target_path is None and config.base_model not in (None, DEFAULT_TARGET):
-            target_path = config.base_model
-        target, _ = load_target(target_path, dtype="fp32")
+        if settings.target is None and config.base_model not in (None, DEFAULT_TARGET):
+            settings.target = config.base_model
+        target, _ = load_target(**settings.load_kwargs())
         from medusa_lite.heads_io import check_fingerprint
 
         check_fingerprint(config.target_fingerprint, target, args.heads_dir)
-        lm_head_weight = target.get_output_embeddings().weight
+        lm_head_weight = target.get_output_embeddings().weight.cpu()
     out = export_vllm(args.heads_dir, args.out_dir, lm_head_weight=lm_head_weight, dtype=args.dtype)
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]
     print(f"wrote a vLLM {architecture} checkpoint to {out}")

@@ -27,8 +27,9 @@ def init_runtime(cfg: TrainConfig) -> Runtime:
     """DeepSpeed's process group: under a launcher from its environment; alone, a world of one (gloo on CPU)."""
     import deepspeed
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    from medusa_lite.targets import resolve_device
+
+    device = resolve_device(cfg.device)  # auto and cuda: this rank's CUDA device (LOCAL_RANK) where there is one
     # no launcher: a world of one. DeepSpeed reads these variables (LOCAL_RANK even after the init); a launcher
     # started later sets its own for its ranks, and the marker that this world is made up is not an env variable
     if "WORLD_SIZE" not in os.environ or _OWN_WORLD["made"]:

@@ -50,8 +50,8 @@ def build_model(cfg: TrainConfig, rt: Runtime):
     from medusa_lite.drafters import config_class
     from medusa_lite.targets import DEFAULT_TARGET, load_target
 
-    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
-    target, tokenizer = load_target(cfg.target, dtype=dtype, device=str(rt.device), adapter=cfg.adapter)
+    target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=rt.device, adapter=cfg.adapter,
+                                    revision=cfg.revision)
     shape = {"aux_layers": list(cfg.aux_layers)} if cfg.aux_layers else {}
     if cfg.intermediate_size:
         shape["intermediate_size"] = cfg.intermediate_size
@@ -199,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     requested = cfg.precision
     cfg.precision, why = resolve_precision(cfg.precision, rt.device)
     log0(rt, f"precision: {cfg.precision}" + (f" (auto: {why})" if requested == "auto" else ""))
+    cfg.device = str(rt.device)
+    if cfg.dtype == "auto":  # the target computes in the training precision unless told otherwise
+        cfg.dtype = cfg.precision
     log0(rt, "config: " + json.dumps(dataclasses.asdict(cfg)))
     # --- build
     model, tokenizer = build_model(cfg, rt)
