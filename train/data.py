@@ -2,7 +2,8 @@
 
 Records are read with a tolerant reader (malformed records are counted and skipped, a truncated JSON
 array keeps every complete record), wrapped in a :class:`datasets.Dataset`, formatted with the
-target tokenizer's chat template and tokenized. The loss mask is 1 exactly on the tokens of assistant
+target tokenizer's chat template (a model without one, a base model, reads the turns' text joined by blank lines:
+:func:`render_chat`) and tokenized. The loss mask is 1 exactly on the tokens of assistant
 turns (content and the closing end-of-turn marker); system and user tokens get 0. Plain-text records
 are trained on in full, or from ``prompt_chars`` on: a base model's self-distilled record is the text it was given
 and its own continuation, and only the continuation is learnt.
@@ -192,7 +193,15 @@ def read_sources(spec: str, *, seed: int = 0) -> tuple[list[dict], Counter, list
 
 
 # ---------------------------------------------------------------------------------------------- encoding
-def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    """A conversation as the target reads it: its chat template; a model without one (a base model) reads the
+    turns' text joined by blank lines and continues it (no generation prompt: it writes the separator itself)."""
+    if not has_chat_template(tokenizer):
+        return "\n\n".join(m["content"] for m in messages)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
@@ -202,15 +211,15 @@ def assistant_spans(tokenizer, messages: list[dict], max_chars: int | None = Non
     A span runs from the end of the generation prompt to the end of the turn (its end-of-turn marker
     included). Relies on the template rendering prefixes of a conversation as prefixes of its text.
     """
-    text = _render(tokenizer, messages, False)
+    text = render_chat(tokenizer, messages, False)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], True)) if i else 0
+        start = len(render_chat(tokenizer, messages[:i], True)) if i else 0
         if max_chars is not None and start > max_chars:
             break
-        upto = _render(tokenizer, messages[: i + 1], False)
+        upto = render_chat(tokenizer, messages[: i + 1], False)
         if not text.startswith(upto) or start > len(upto):
             raise ValueError("the chat template does not render conversation prefixes as prefixes")
         spans.append((start, len(upto)))
@@ -224,9 +233,10 @@ def encode_record(tokenizer, record: dict, max_len: int) -> dict[str, list[int]]
         text, spans = assistant_spans(tokenizer, record["messages"], max_chars)
     else:
         text, spans = record["text"], [(record.get("prompt_chars", 0), len(record["text"]))]
-    enc = tokenizer(text[:max_chars], add_special_tokens=not record["messages"], return_offsets_mapping=True)
+    special = not (record["messages"] and has_chat_template(tokenizer))  # a template writes its own BOS
+    enc = tokenizer(text[:max_chars], add_special_tokens=special, return_offsets_mapping=True)
     if len(enc["input_ids"]) < max_len and len(text) > max_chars:
-        enc = tokenizer(text, add_special_tokens=not record["messages"], return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
     ids = enc["input_ids"][:max_len]
     offsets = enc["offset_mapping"][:max_len]
     mask = [int(any(s <= a and b <= e for s, e in spans) and b > a) for a, b in offsets]
@@ -263,9 +273,6 @@ def build_token_data(tokenizer, records: list[dict], *, max_len: int, num_proc: 
     """Format and tokenize ``records`` through :mod:`datasets`; documents with no trainable token are dropped."""
     import datasets
 
-    if any(r["messages"] for r in records) and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the target tokenizer has no chat template: chat data cannot be formatted "
-                         "(give plain-text records or a tokenizer with a chat_template)")
     datasets.disable_progress_bars()
     ds = datasets.Dataset.from_list(records)
     ds = ds.map(lambda r: encode_record(tokenizer, r, max_len), remove_columns=ds.column_names,

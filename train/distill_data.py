@@ -9,8 +9,11 @@ Heads decode the target's text, not the human text of ShareGPT: trained on the t
 (as Medusa-2 and EAGLE do), they see the hidden states and the token statistics they meet at decoding
 time. ``--mix`` takes prompt kinds in turn, record by record: first turns (chat), a second turn after the first
 exchange (multi), summarize / translate / answer-from-this-passage tasks on ShareGPT answer text, step-by-step
-arithmetic, and code questions (:func:`build_prompt`). Each line is ``{"messages": [..., assistant],
-"source_index": i, "kind": k}``; the file is appended to, so an interrupted run continues where it stopped
+arithmetic, code questions, and passages to continue (:func:`build_prompt`). Each line is ``{"messages": [...,
+assistant], "source_index": i, "kind": k}``. A target without a chat template (a base model) continues the prompt's
+text instead (the turns joined by blank lines; ``--mix continue,summarize,passage`` suits it), and its lines are
+``{"text": prompt + continuation, "prompt_chars": len(prompt), ...}``: training learns the continuation. The file is
+appended to, so an interrupted run continues where it stopped
 (rows already written are skipped). Spec-Bench questions are never among the prompts.
 """
 
@@ -28,7 +31,7 @@ from medusa_lite.settings import Names, SettingsParser, TargetOptions, option
 from medusa_lite.train import data as D
 
 
-KINDS = ("chat", "multi", "summarize", "translate", "passage", "arithmetic", "code")
+KINDS = ("chat", "multi", "summarize", "translate", "passage", "arithmetic", "code", "continue")
 
 
 @dataclass
@@ -83,6 +86,7 @@ def _arithmetic(i: int) -> str:
 
 
 PASSAGE_WORDS = {"summarize": 480, "passage": 360, "translate": 80}
+CONTINUE_WORDS = (40, 120, 300)  # prefixes of several lengths: a continuation is drafted at every context length
 
 
 def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
@@ -90,7 +94,8 @@ def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
 
     chat: the first user turn. multi: the first exchange, then the second user turn. summarize / translate /
     passage: a task on the text of the record's first answer. arithmetic: a step-by-step sum (made up from ``i``).
-    code: a first user turn about code (others are skipped)."""
+    code: a first user turn about code (others are skipped). continue: the first words of the record's answers, for
+    the target to go on with (a base model's own kind of prompt: text to continue)."""
     users = _turns(rec, "user")
     if kind == "chat":
         return [{"role": "user", "content": users[0]}] if users else None
@@ -105,6 +110,9 @@ def build_prompt(kind: str, i: int, rec: dict) -> list[dict] | None:
             else None
     if kind == "arithmetic":
         return [{"role": "user", "content": _arithmetic(i)}]
+    if kind == "continue":
+        passage = _passage(rec, CONTINUE_WORDS[i % len(CONTINUE_WORDS)])
+        return [{"role": "user", "content": passage}] if passage else None
     passage = _passage(rec, PASSAGE_WORDS[kind])
     if passage is None:
         return None
@@ -153,12 +161,18 @@ def answered_indices(out: Path) -> set[int]:
     return {json.loads(line)["source_index"] for line in complete.split(b"\n") if line.strip()}
 
 
+def render_prompt(tokenizer, chat: list[dict]) -> str:
+    """The text the target answers (a base model: continues; :func:`~medusa_lite.train.data.render_chat`)."""
+    return D.render_chat(tokenizer, chat, generation_prompt=True)
+
+
 @torch.no_grad()
 def greedy_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
-    """The target's greedy answers (token ids, through the first EOS) to the chats' last user turns, batched with
-    left padding."""
-    prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) for chat in chats]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+    """The target's greedy answers (token ids, through the first EOS) to the chats' last user turns (a base model:
+    its continuations of the rendered text), batched with left padding."""
+    prompts = [render_prompt(tokenizer, chat) for chat in chats]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True,
+                    add_special_tokens=not D.has_chat_template(tokenizer)).to(target.device)
     out = target.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                           cache_implementation="static")  # a growing cache re-copies [B, L] K/V every step
     answers = []
@@ -169,8 +183,22 @@ def greedy_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int
 
 
 def answer_batch(target, tokenizer, chats: list[list[dict]], max_new_tokens: int) -> list[str]:
-    """:func:`greedy_batch` as text."""
-    return tokenizer.batch_decode(greedy_batch(target, tokenizer, chats, max_new_tokens), skip_special_tokens=True)
+    """:func:`greedy_batch` as text. A base model's continuation is cut from the decoded prompt + continuation, so
+    that it joins :func:`read_back_prompt` as the tokenizer decodes the whole (a leading space kept)."""
+    answers = greedy_batch(target, tokenizer, chats, max_new_tokens)
+    if D.has_chat_template(tokenizer):
+        return tokenizer.batch_decode(answers, skip_special_tokens=True)
+    out = []
+    for chat, answer in zip(chats, answers):
+        prompt_ids = tokenizer(render_prompt(tokenizer, chat))["input_ids"]
+        out.append(tokenizer.decode(prompt_ids + answer, skip_special_tokens=True)[
+            len(tokenizer.decode(prompt_ids, skip_special_tokens=True)):])
+    return out
+
+
+def read_back_prompt(tokenizer, chat: list[dict]) -> str:
+    """A base model's prompt as its tokenizer reads it back (the text its continuation is joined to)."""
+    return tokenizer.decode(tokenizer(render_prompt(tokenizer, chat))["input_ids"], skip_special_tokens=True)
 
 
 def main(argv=None) -> dict:
@@ -188,8 +216,8 @@ def main(argv=None) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     prompts = prompts_of(D.resolve_data_path(args.prompts), tuple(args.mix), limit=args.num_prompts,
                          skip=args.skip_prompts, seed=args.seed)[shard::shards]
-    lengths = {i: len(tokenizer(tokenizer.apply_chat_template(chat, tokenize=False), add_special_tokens=False)
-                      ["input_ids"]) for i, _, chat in prompts}
+    lengths = {i: len(tokenizer(render_prompt(tokenizer, chat), add_special_tokens=False)["input_ids"])
+               for i, _, chat in prompts}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = answered_indices(out)
@@ -217,12 +245,18 @@ def main(argv=None) -> dict:
 
 
 def write_answers(f, batch: list, answers: list[str], tokenizer) -> int:
-    """Append one record per (prompt, answer) to ``f`` and flush; returns the answers' tokens."""
+    """Append one record per (prompt, answer) to ``f`` and flush; returns the answers' tokens. A chat model's record
+    is the chat with its answer; a base model's is the text with its continuation and where the continuation starts
+    (``prompt_chars``: training learns the continuation only)."""
     tokens = 0
     for (i, kind, chat), answer in zip(batch, answers):
         tokens += len(tokenizer(answer, add_special_tokens=False)["input_ids"])
-        f.write(json.dumps({"messages": [*chat, {"role": "assistant", "content": answer}],
-                            "source_index": i, "kind": kind}) + "\n")
+        if D.has_chat_template(tokenizer):
+            record = {"messages": [*chat, {"role": "assistant", "content": answer}]}
+        else:
+            prompt = read_back_prompt(tokenizer, chat)
+            record = {"text": prompt + answer, "prompt_chars": len(prompt)}
+        f.write(json.dumps({**record, "source_index": i, "kind": kind}) + "\n")
     f.flush()
     return tokens
 
