@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import threading
 
 import torch
 
@@ -58,109 +56,38 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-# ------------------------------------------------------------------------- grouped-query attention without copies
-_GROUPED = threading.local()
+# What transformers' generate() gives a field of the generation config that neither the caller nor the model's
+# generation_config sets (GenerationConfig's docstring points to them; transformers exposes no public accessor).
+# tests/test_install.py holds this table equal to transformers' own.
+GENERATION_DEFAULTS = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "use_cache": True, "early_stopping": False, "num_beams": 1,
+    "temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0,
+    "length_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None,
+    "num_return_sequences": 1, "output_scores": False, "return_dict_in_generate": False,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "remove_invalid_values": False,
+    "exponential_decay_length_penalty": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "encoder_repetition_penalty": 1.0, "num_assistant_tokens": 20,
+    "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.4, "assistant_lookbehind": 10,
+    "target_lookbehind": 10, "num_beam_groups": 1, "diversity_penalty": 0.0,
+}
 
 
-def _install_grouped_attention() -> bool:
-    """Wrap transformers' SDPA choice of grouped-query attention once (idempotent): inside :func:`grouped_attention`
-    on this thread, CPU tensors take torch's own GQA, or transformers' packing of a single query's heads in half
-    precision; everywhere else the choice is transformers' as before."""
-    try:
-        from transformers.integrations import sdpa_attention
-    except ImportError:
-        return False
-    choose = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
-    if choose is None or not hasattr(sdpa_attention, "pack_gqa"):
-        return False
-    if not getattr(choose, "_medusa_lite", False):
-        def use_gqa_in_sdpa(attention_mask, key, value):
-            if getattr(_GROUPED, "active", False) and key.device.type == "cpu" and key.shape[-1] == value.shape[-1]:
-                single = _GROUPED.single if attention_mask is None else attention_mask.shape[-2] == 1
-                return not (single and key.dtype in (torch.bfloat16, torch.float16))
-            return choose(attention_mask, key, value)
+def resolve_generation_config(target, config=None, **kwargs):
+    """(config, unused kwargs): the generation config transformers' ``generate`` would run ``target`` with, by its
+    rule: a copy of ``config`` (None: a fresh one), its unset fields from the target's ``generation_config`` (which
+    also carries the target's custom entries), then :data:`GENERATION_DEFAULTS`, then ``kwargs`` on top; ``unused``:
+    the kwargs that name no field, with ``output_attentions`` / ``output_hidden_states`` where the config asks for
+    them (transformers hands those to the forward)."""
+    import copy
 
-        use_gqa_in_sdpa._medusa_lite = True
-        sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
-    return True
+    from transformers import GenerationConfig
 
-
-SMALL_ATTENTION_QUERIES = 6  # queries per row up to which the few-query kernel beats torch's SDPA (fp32 and bf16)
-
-
-def _install_small_attention() -> bool:
-    """Wrap transformers' ``sdpa`` attention function once (idempotent): inside :func:`grouped_attention` on this thread,
-    a CPU forward of at most :data:`SMALL_ATTENTION_QUERIES` queries per row takes the few-query kernel
-    (:func:`medusa_lite.kernels.attention_kernel`); every other call is transformers' own."""
-    try:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    except ImportError:
-        return False
-    sdpa = ALL_ATTENTION_FUNCTIONS.get("sdpa")
-    if sdpa is None:
-        return False
-    if getattr(sdpa, "_medusa_lite", False):
-        return True
-
-    def sdpa_or_small(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        kernel = getattr(_GROUPED, "small", None)
-        if kernel is not None and dropout == 0.0 and _small_fits(query, key, value, attention_mask, kwargs):
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            out = kernel.small_attention(query, key, value, attention_mask, scale)  # [B, H, L, D]
-            return out.transpose(1, 2).contiguous(), None
-        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                    **kwargs)
-
-    sdpa_or_small._medusa_lite = True
-    ALL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_or_small)
-    return True
-
-
-def _small_fits(query, key, value, mask, kwargs) -> bool:
-    """Whether the few-query kernel computes this attention call as SDPA would: CPU, fp32 / bf16, a few queries, grouped
-    heads with a contiguous head dimension, an additive [B, 1, L, S] mask (or none for one query), nothing else."""
-    batch, heads, queries, dim = query.shape
-    if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16) or key.dtype != query.dtype
-            or value.dtype != query.dtype or queries > SMALL_ATTENTION_QUERIES or dim % 8 or dim > 256
-            or key.shape != value.shape
-            or key.stride() != value.stride() or key.stride(-1) != 1 or key.shape[0] != batch or key.shape[-1] != dim
-            or heads % key.shape[1]):
-        return False
-    if any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks")):
-        return False
-    if mask is None:
-        return queries == 1  # one query sees every key; more would need the causal flag
-    return (mask.dim() == 4 and mask.is_floating_point() and mask.shape[1] == 1 and mask.shape[2] == queries
-            and mask.shape[3] == key.shape[2] and mask.shape[0] in (1, batch))
-
-
-@contextlib.contextmanager
-def grouped_attention(single_query: bool = False, small=None):
-    """The target's forwards inside this block attend with grouped key/value heads as they are (CPU).
-
-    With an attention mask (every tree and batched forward has one), transformers' SDPA path repeats each key/value
-    head once per query head it serves (``repeat_kv``): a copy of the whole cache, 3x its size on the default model,
-    in every layer of every step; at 600 cached tokens and a 16-token tree that copy costs as much as the attention.
-    torch's SDPA on CPU takes the grouped heads directly (``enable_gqa``) and gives the same result bit for bit
-    (``tests/test_batch.py``). One query token per row in bf16 / fp16 (the root alone: ``single_query`` when the
-    forward has no mask, else read off the mask) takes transformers' ``pack_gqa`` instead (the query heads of a
-    key/value head as that many query positions, what transformers does itself for a masked single query), because
-    torch's CPU kernel takes a slow path for one half-precision query; the two give the same bits at most cache
-    lengths (they round differently at a few: bf16 rounding). fp32 keeps torch's GQA kernel.
-
-    With ``small``, medusa_lite's few-query attention kernel (:func:`medusa_lite.kernels.attention_kernel`, None where
-    it does not build; ``csrc/small_attention.cpp``), a CPU call of at most :data:`SMALL_ATTENTION_QUERIES` queries
-    per row (the root alone, a batched step's roots, small trees) takes it instead: the queries sharing a key/value
-    head read each cached key and value once (fp32 sums, results differ from SDPA's by float rounding only). From
-    about 8 queries a row SDPA is as fast, so longer calls keep it (timings: docs/hardware.md). On other devices,
-    and outside this block, nothing changes."""
-    if not _install_grouped_attention():
-        yield
-        return
-    small = small if small is not None and _install_small_attention() else None
-    before = getattr(_GROUPED, "active", False), getattr(_GROUPED, "single", False), getattr(_GROUPED, "small", None)
-    _GROUPED.active, _GROUPED.single, _GROUPED.small = True, single_query, small
-    try:
-        yield
-    finally:
-        _GROUPED.active, _GROUPED.single, _GROUPED.small = before
+    config = copy.deepcopy(config) if config is not None else GenerationConfig()
+    config.update(**target.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    config.update(**GENERATION_DEFAULTS, defaults_only=True)
+    unused = config.update(**kwargs)
+    if config.cache_implementation == "hybrid":  # (transformers: a default of older sliding-window checkpoints)
+        config.cache_implementation = None
+    unused.update({name: getattr(config, name) for name in ("output_attentions", "output_hidden_states")
+                   if getattr(config, name)})
+    return config, unused

@@ -34,11 +34,14 @@ import hashlib
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from functools import cache, partial
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .attention import attending, routed
 
 PACKED_ROWS = (4, 8, 16, 32)  # MKL: row counts packed for (batch-1 trees; batched verify steps of several rows)
 SKINNY_ROWS = 32  # the skinny kernel: any row count up to this (its one packed copy serves them all)
@@ -259,7 +262,7 @@ def skinny_kernel():
 
 @cache
 def attention_kernel():
-    """The compiled few-query attention extension (``csrc/small_attention.cpp``; see :func:`medusa_lite._hf.grouped_attention`),
+    """The compiled few-query attention extension (``csrc/small_attention.cpp``; see :mod:`medusa_lite.attention`),
     or None where it cannot be built (no compiler, no AVX2 kernels, or ``MEDUSA_LITE_ATTENTION=0``)."""
     return _extension("attention", _ATTENTION_SOURCE, ATTENTION_SOURCE_ID, "MEDUSA_LITE_ATTENTION",
                       "the few-query attention kernel", "torch's SDPA instead")
@@ -367,3 +370,54 @@ class VerifyKernels:
             return contextlib.nullcontext()
         self.prepare()
         return self._packed
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The CPU kernels one model decodes with, chosen together (by the fit, :mod:`medusa_lite.fit`; unfitted:
+    :meth:`defaults`). ``linears``: the target's linears for the verify forwards of the sizes where the probe measured
+    them faster (:class:`VerifyKernels`; None: the stock kernels); ``draft_linears``: the drafter's own linears
+    (:func:`drafting_linears`; None: stock); ``attention``: the few-query attention kernel (:func:`attention_kernel`;
+    None: SDPA alone), besides the grouped heads every CPU forward of medusa_lite's attends with
+    (:mod:`medusa_lite.attention`).
+
+    They touch only this model's own modules and only inside these contexts: :meth:`held` for a decoding loop's whole
+    run (the attention routed, the linears patched once), then per forward :meth:`prefill`, :meth:`verify` and
+    :meth:`drafting`, each a switch. Nothing of torch or transformers is replaced, at import or ever."""
+
+    linears: VerifyKernels | None = None
+    draft_linears: SkinnyLinears | None = None
+    attention: object | None = None
+
+    @classmethod
+    def defaults(cls, target, **chosen) -> Kernels:
+        """``target``'s kernels with those ``chosen`` (``linears``, ``draft_linears``): the few-query attention
+        kernel where the target computes on a CPU and it builds."""
+        cpu = target.get_output_embeddings().weight.device.type == "cpu"
+        return cls(attention=attention_kernel() if cpu else None, **chosen)
+
+    @contextlib.contextmanager
+    def held(self, target):
+        """``target`` (and the drafter's linears) ready for a decoding loop's forwards: its attention routed and the
+        linears patched once for the block (each forward's context then only switches them on)."""
+        with routed(target), _held(self.linears), _held(self.draft_linears):
+            yield self
+
+    def prefill(self, target):
+        """A prompt's forward: the grouped heads as they are (no few-query kernel, no packed linears)."""
+        return attending(target)
+
+    @contextlib.contextmanager
+    def verify(self, target, tokens: int, single_query: bool = False):
+        """A verify forward of ``tokens`` tree tokens, all rows together (``single_query``: one token, no mask)."""
+        with attending(target, single_query, self.attention), \
+                self.linears.context(tokens) if self.linears is not None else contextlib.nullcontext():
+            yield
+
+    def drafting(self):
+        """The drafter's forwards (``propose``, ``commit``): its linears through the skinny kernel where chosen."""
+        return self.draft_linears if self.draft_linears is not None else contextlib.nullcontext()
+
+
+def _held(linears):
+    return linears.held() if linears is not None else contextlib.nullcontext()

@@ -395,7 +395,7 @@ def test_slack_layer_appends_in_place_and_keeps_its_room_when_narrowed():
 def test_grouped_attention_is_bit_identical_to_repeated_heads():
     """Inside medusa_lite's forwards, masked SDPA takes the grouped key/value heads as they are (no repeat copy): the
     logits are the same bits as transformers' own path, for a tree mask over several rows with holes."""
-    from medusa_lite._hf import grouped_attention
+    from medusa_lite.attention import attending as grouped_attention, takes_grouped_heads
 
     target = tiny_model()  # 4 query heads, 2 key/value heads
     ids = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(0))
@@ -403,28 +403,26 @@ def test_grouped_attention_is_bit_identical_to_repeated_heads():
     mask[1, :7] = mask[2, :3] = 0
     with torch.no_grad():
         plain = target(input_ids=ids, attention_mask=mask).logits
-        with grouped_attention():
+        with grouped_attention(target):
             grouped = target(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(plain, grouped)
     from transformers.integrations import sdpa_attention
 
     k = torch.zeros(1, 2, 3, 4)
-    with grouped_attention():
-        assert sdpa_attention.use_gqa_in_sdpa(torch.ones(1, 1, 1, 3, dtype=torch.bool), k, k)  # the copy-free path
+    assert takes_grouped_heads(torch.ones(1, 1, 1, 3, dtype=torch.bool), k)  # the copy-free path
     assert not sdpa_attention.use_gqa_in_sdpa(torch.ones(1, 1, 1, 3, dtype=torch.bool), k, k)  # only inside
     half, one_query, two_queries = k.bfloat16(), torch.ones(1, 1, 1, 3, dtype=torch.bool), torch.ones(1, 1, 2, 3, dtype=torch.bool)
-    with grouped_attention(single_query=True):  # one query in half precision: transformers packs its heads
-        assert not sdpa_attention.use_gqa_in_sdpa(None, half, half)
-        assert sdpa_attention.use_gqa_in_sdpa(None, k, k)  # fp32 keeps torch's GQA kernel (its bits unchanged)
-    with grouped_attention():
-        assert not sdpa_attention.use_gqa_in_sdpa(one_query, half, half)
-        assert sdpa_attention.use_gqa_in_sdpa(two_queries, half, half) and sdpa_attention.use_gqa_in_sdpa(None, half, half)
+    # one query in half precision: transformers packs its heads
+    assert not takes_grouped_heads(None, half, single_query=True)
+    assert takes_grouped_heads(None, k, single_query=True)  # fp32 keeps torch's GQA kernel (its bits unchanged)
+    assert not takes_grouped_heads(one_query, half)
+    assert takes_grouped_heads(two_queries, half) and takes_grouped_heads(None, half)
 
 
 def test_packed_single_query_attention_matches_in_half_precision():
     """One query token per row in bf16 (rows of a batched root step, and the root alone without a mask): the packed
     heads give the target's own logits (bf16 rounding aside) and the same greedy token."""
-    from medusa_lite._hf import grouped_attention
+    from medusa_lite.attention import attending as grouped_attention
 
     target = tiny_model().to(torch.bfloat16)  # 4 query heads, 2 key/value heads
     ids = torch.randint(1, 128, (3, 20), generator=torch.Generator().manual_seed(0))
@@ -434,11 +432,11 @@ def test_packed_single_query_attention_matches_in_half_precision():
         cache = target(input_ids=ids, attention_mask=mask[:, :20], use_cache=True).past_key_values
         step = dict(input_ids=ids[:, -1:], attention_mask=mask, use_cache=False)
         plain = target(past_key_values=copy.deepcopy(cache), **step).logits
-        with grouped_attention():
+        with grouped_attention(target):
             packed = target(past_key_values=copy.deepcopy(cache), **step).logits
         alone = target(input_ids=ids[:1], use_cache=True).past_key_values
         plain1 = target(input_ids=ids[:1, -1:], past_key_values=copy.deepcopy(alone)).logits
-        with grouped_attention(single_query=True):
+        with grouped_attention(target, single_query=True):
             packed1 = target(input_ids=ids[:1, -1:], past_key_values=copy.deepcopy(alone)).logits
     for a, b in ((plain, packed), (plain1, packed1)):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
@@ -537,7 +535,7 @@ def test_few_query_forwards_take_the_attention_kernel_and_keep_the_target_logits
     """Inside medusa_lite's forwards a CPU step of at most SMALL_ATTENTION_QUERIES queries per row attends through the
     kernel (batched roots and trees with a mask, the root alone without one), longer ones through SDPA; the logits are
     the target's own (float rounding)."""
-    from medusa_lite._hf import grouped_attention
+    from medusa_lite.attention import attending as grouped_attention
 
     kernel = _attention_kernel()
     target = tiny_model()  # 4 query heads, 2 key/value heads
@@ -553,12 +551,12 @@ def test_few_query_forwards_take_the_attention_kernel_and_keep_the_target_logits
                         attention_mask=torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min),
                         use_cache=True)
             plain = target(past_key_values=copy.deepcopy(cache), **step).logits
-            with grouped_attention(small=_Spy(kernel, calls)):
+            with grouped_attention(target, small=_Spy(kernel, calls)):
                 fast = target(past_key_values=copy.deepcopy(cache), **step).logits
             torch.testing.assert_close(plain, fast, atol=1e-5, rtol=1e-5)
         alone = target(input_ids=ids[:1, :20], use_cache=True).past_key_values
         plain = target(input_ids=ids[:1, 20:21], past_key_values=copy.deepcopy(alone)).logits
-        with grouped_attention(single_query=True, small=_Spy(kernel, calls)):
+        with grouped_attention(target, single_query=True, small=_Spy(kernel, calls)):
             fast = target(input_ids=ids[:1, 20:21], past_key_values=copy.deepcopy(alone)).logits
         torch.testing.assert_close(plain, fast, atol=1e-5, rtol=1e-5)
     layers = target.config.num_hidden_layers

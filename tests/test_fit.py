@@ -469,8 +469,9 @@ def test_the_drafters_own_linears_take_the_skinny_kernel_for_one_row_too():
         with linears:
             y = model.drafter.fc(x)
     assert not torch.equal(y, ref) and torch.allclose(y, ref, atol=1e-5)  # one row through the kernel
-    model.drafter.use_linears(linears)
-    assert model.drafter.linears() is linears
+    from medusa_lite.kernels import Kernels
+
+    assert Kernels(draft_linears=linears).drafting() is linears
     assert drafting_linears(model.drafter.to(torch.bfloat16)) is not None  # bf16 weights are packed as bf16
     assert drafting_linears(model.drafter.to(torch.float16)) is None  # fp16 drafters keep the stock kernels
 
@@ -492,17 +493,18 @@ def test_the_skinny_kernel_is_preferred_and_mkl_packing_is_the_fallback(monkeypa
 @pytest.mark.parametrize("kind", ["mkl", "skinny"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # nn.Linear layers (GPT-2's Conv1D is never packed)
 def test_greedy_equals_plain_with_packed_verify(arch, kind):
-    from medusa_lite.kernels import PackedLinears, SkinnyLinears, VerifyKernels, drafting_linears
+    from medusa_lite.kernels import Kernels, PackedLinears, SkinnyLinears, VerifyKernels, drafting_linears
 
     if kind == "skinny":
         _skinny()
     target = tiny_model(arch)
     model = MedusaModel(target, MedusaConfig(num_heads=3, head_type="hydra"))
     random_heads(model, std=0.5)
-    kernels = VerifyKernels(target, first=1 if kind == "skinny" else 2, counts=(4, 8),  # skinny: one-token steps too
+    linears = VerifyKernels(target, first=1 if kind == "skinny" else 2, counts=(4, 8),  # skinny: one-token steps too
                             kind=SkinnyLinears if kind == "skinny" else PackedLinears)
-    if kind == "skinny":  # drafting through the kernel too, as a fitted model on an AVX2 CPU drafts
-        model.drafter.use_linears(drafting_linears(model.drafter))
+    # skinny: drafting through the kernel too, as a fitted model on an AVX2 CPU drafts
+    kernels = Kernels.defaults(target, linears=linears,
+                               draft_linears=drafting_linears(model.drafter) if kind == "skinny" else None)
     model.use_fit(restless_fit(ADAPTIVE_TREES), guard=CyclingGuard, kernels=kernels)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("medusa_lite._version", "medusa_lite._hf", "medusa_lite.paths", "medusa_lite.machine",  # leaves
      "medusa_lite.specbench"),
     ("medusa_lite.tree",),
+    ("medusa_lite.attention",),
     ("medusa_lite.verify", "medusa_lite.sampling", "medusa_lite.kernels"),
     ("medusa_lite.kv",),
     ("medusa_lite.config",),

@@ -21,6 +21,7 @@ from .._hf import cache_kwarg, context_length
 from ..kv import (attention_layout, compact_rows, join_rows, keep_accepted, keep_accepted_rows,
                   new_cache, rows_cache, select_rows)
 from ..drafters import Draft, Drafter, DraftState
+from ..kernels import Kernels
 from .forward import prefill, prefill_rows, read_features, verify_forward, verify_rows
 from .plans import BatchPlanner, Plan, draft_rows, first_nodes
 from .sequence import GenerationStats, Sequence, record_step
@@ -47,9 +48,10 @@ class SpeculativeBatch:
     is decided before the step drafts (by the batch size and finished steps), never by that step's draws.
     """
 
-    def __init__(self, target, drafter: Drafter, kernels=None, max_step_tokens: int | None = None,
+    def __init__(self, target, drafter: Drafter, kernels: Kernels | None = None, max_step_tokens: int | None = None,
                  guards: BatchPlanner | None = None, solo: bool = False):
-        self.target, self.drafter, self.kernels = target, drafter, kernels
+        self.target, self.drafter = target, drafter
+        self.kernels = kernels if kernels is not None else Kernels.defaults(target)  # the fit's, else unfitted
         self.guards = guards  # e.g. BatchGuards (medusa_lite.fit): the tree of steps with B > 1 rows (None: each row's own plan)
         self.max_step_tokens = max_step_tokens  # tree tokens one verify forward may hold, all rows together
         self.rows: list[Sequence] = []
@@ -68,9 +70,9 @@ class SpeculativeBatch:
 
     @contextlib.contextmanager
     def held(self):
-        """The faster linears (verify kernels, the drafter's) patched into the modules for the whole block, so that a
-        loop of steps does not patch and restore them at every forward (:meth:`medusa_lite.kernels.VerifyKernels.held`)."""
-        with self.kernels.held() if self.kernels is not None else contextlib.nullcontext(), self.drafter.linears_held():
+        """The kernels set up once for the whole block (:meth:`medusa_lite.kernels.Kernels.held`), so that a loop of
+        steps does not set them up and tear them down at every forward."""
+        with self.kernels.held(self.target):
             yield self
 
     @torch.no_grad()
@@ -86,7 +88,7 @@ class SpeculativeBatch:
     def prefill(self, prompt: torch.Tensor) -> tuple:
         """The prompt's forward into a fresh cache: (output, cache, seconds), for :meth:`add_group`'s ``prefilled``."""
         cache = self._fresh_cache()
-        out, seconds = prefill(self.target, prompt, {self.cache_key: cache})
+        out, seconds = prefill(self.target, prompt, {self.cache_key: cache}, self.kernels)
         return out, cache, seconds
 
     @torch.no_grad()
@@ -115,7 +117,8 @@ class SpeculativeBatch:
         for seqs in groups:
             _check_group(seqs)
         cache = self._fresh_cache()
-        out, valid, seconds = prefill_rows(self.target, [seqs[0].prompt for seqs in groups], {self.cache_key: cache})
+        out, valid, seconds = prefill_rows(self.target, [seqs[0].prompt for seqs in groups], {self.cache_key: cache},
+                                           self.kernels)
         return self._admit(groups, out, cache, valid, seconds)
 
     def _admit(self, groups: list[list[Sequence]], out, cache, valid: torch.Tensor, seconds: float) -> list[list[bool]]:
@@ -185,7 +188,7 @@ class SpeculativeBatch:
             index = torch.tensor(staying, device=features.device)
             accepted = [results[b][0] for b in staying]
             self._keep_rows(staying)
-            with self.drafter.linears():
+            with self.kernels.drafting():
                 self.drafter.commit(self.state, accepted, features.index_select(0, index), [s.ids() for s in self.rows])
             self._compact()
         else:
@@ -212,7 +215,7 @@ class SpeculativeBatch:
         """Every row's draft for this step, by its own plan and depth cap; rows whose plans agree (e.g. greedy rows
         given the same tree) are drafted together (:func:`~.plans.draft_rows`)."""
         plans = [seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan for seq in self.rows]
-        with self.drafter.linears():
+        with self.kernels.drafting():
             drafts = draft_rows(plans, self.state, [self._max_depth(seq) for seq in self.rows])
         if self.max_step_tokens is not None:
             drafts = [first_nodes(draft, max(1, self.max_step_tokens // len(self.rows))) for draft in drafts]
@@ -302,9 +305,9 @@ def same_prompt_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
 def run_batch(batch: SpeculativeBatch, seqs: list[Sequence]) -> None:
     """Decode every sequence to its end in one batch; consecutive sequences with the same prompt share its prefill,
     and the prompts are prefilled several at a time (:func:`prefill_chunks`)."""
-    for chunk in prefill_chunks(same_prompt_groups(seqs)):
-        batch.add_prompts(chunk)
     with batch.held():
+        for chunk in prefill_chunks(same_prompt_groups(seqs)):
+            batch.add_prompts(chunk)
         while batch.rows:
             batch.step()
 
@@ -322,18 +325,18 @@ def speculative_generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     generator: torch.Generator | None = None,
     on_step: Callable[[int, float], None] | None = None,
-    kernels=None,
+    kernels: Kernels | None = None,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """Generate after ``prompt`` ([L] long, no padding) with ``drafter`` filling the tree ``plan`` picks each
     step: a :class:`SpeculativeBatch` of one row. Returns (new tokens [n] long, stats).
 
     ``on_step(tokens, seconds)``: after every verify step (see :class:`Sequence`).
-    ``kernels``: :class:`medusa_lite.kernels.VerifyKernels` for the verify forwards (None: the stock kernels).
+    ``kernels``: the :class:`medusa_lite.kernels.Kernels` it decodes with (None: ``Kernels.defaults(target)``).
     """
     seq = Sequence(prompt, config, plan, max_new_tokens, stopping_criteria, generator, streamer, on_step)
     batch = SpeculativeBatch(target, drafter, kernels, solo=True)
-    if batch.add(seq):
-        with batch.held():
+    with batch.held():
+        if batch.add(seq):
             while batch.rows:
                 batch.step()
     if seq.error is not None:

@@ -110,7 +110,7 @@ class PromptLookup:
 def draft_rows(plans: list[Plan], state: DraftState, depths: list[int]) -> list[Draft]:
     """Row b's draft by ``plans[b]`` within ``depths[b]``: the rows whose plans share a ``batch_key`` in one plan call
     (each level of all of them in one pass over the drafter's weights), a row whose plan has none (sampling from a
-    static tree: its own draws) alone. Call inside the drafter's ``linears()``."""
+    static tree: its own draws) alone. Call inside ``Kernels.drafting()`` (:mod:`medusa_lite.kernels`)."""
     groups: dict[object, list[int]] = {}
     for b, plan in enumerate(plans):
         key = getattr(plan, "batch_key", None)

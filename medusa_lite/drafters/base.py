@@ -19,7 +19,6 @@ never owned: they are neither trained nor saved with the drafter.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -135,21 +134,6 @@ class Drafter(nn.Module):
     @property
     def target_embed(self) -> nn.Module:
         return self.__dict__["_target_io"][1]
-
-    def use_linears(self, linears) -> None:
-        """Run this drafter's decoding forwards inside ``linears``, a context manager that routes its linear layers
-        through a faster kernel (:func:`medusa_lite.kernels.drafting_linears`; None: the stock kernels)."""
-        self.__dict__["_linears"] = linears
-
-    def linears(self):
-        """The context the callers of :meth:`propose` and :meth:`commit` run them in (see :meth:`use_linears`)."""
-        return self.__dict__.get("_linears") or contextlib.nullcontext()
-
-    def linears_held(self):
-        """:meth:`linears`'s modules patched for a decoding loop's whole run, each :meth:`linears` then a switch
-        (:meth:`medusa_lite.kernels.SkinnyLinears.held`)."""
-        linears = self.__dict__.get("_linears")
-        return linears.held() if linears is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ decoding
     def start(self, ids: list[torch.Tensor], hidden: torch.Tensor) -> DraftState:

@@ -15,6 +15,7 @@ from .._hf import cache_kwarg, output_weight
 from ..kv import attention_layout, extend_cache, new_cache
 from ..decode import draft_rows, make_plan, speculative_generate, verify_forward
 from ..drafters import drafter_features
+from ..kernels import Kernels
 from ..tree import build_buffers, chain, parse_tree, tree_key, tree_nodes
 from .pricing import DRAFT_BATCH
 
@@ -50,10 +51,10 @@ def overhead_per_step(stats: list) -> float:
     return max(outside / max(sum(s.verify_steps for s in stats), 1), 0.0)
 
 
-def step_overhead(model, prompt: torch.Tensor) -> float:
+def step_overhead(model, prompt: torch.Tensor, kernels: Kernels | None = None) -> float:
     """The loop's own per-step bookkeeping (seconds outside target forwards): a few steps of plain decoding."""
     _, stats = speculative_generate(model.base_model, model.drafter, make_plan(model.drafter, [], output_weight(model.base_model).device), prompt, _greedy_config(),
-                                    max_new_tokens=9)
+                                    max_new_tokens=9, kernels=kernels)
     return overhead_per_step([stats])
 
 
@@ -142,7 +143,7 @@ def _measure_latency(model, prompt, sizes, lat: _Latency, bar, deadline: float, 
     return out
 
 
-def draft_seconds(model, candidates: list, state, sampler=None) -> dict[str, float]:
+def draft_seconds(model, candidates: list, state, sampler=None, kernels: Kernels | None = None) -> dict[str, float]:
     """Per candidate tree (by :func:`~medusa_lite.tree.tree_key`), the faster of two drafting calls from ``state``
     (its rows drafted as a batched step drafts them, :func:`~medusa_lite.decode.draft_rows`)."""
     draft: dict[str, float] = {}
@@ -153,7 +154,7 @@ def draft_seconds(model, candidates: list, state, sampler=None) -> dict[str, flo
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            with model.drafter.linears():
+            with (kernels or Kernels()).drafting():
                 draft_rows([plan] * rows, state, [8] * rows)
             _sync(device)
             times.append(time.perf_counter() - t0)
@@ -163,7 +164,7 @@ def draft_seconds(model, candidates: list, state, sampler=None) -> dict[str, flo
 
 @torch.no_grad()
 def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progress: bool = True,
-          max_tokens_per_step: float | None = None, packed=None, sampler=None) -> dict:
+          max_tokens_per_step: float | None = None, packed=None, sampler=None, kernels: Kernels | None = None) -> dict:
     """Measure this machine for :func:`medusa_lite.fit.fit_trees`.
 
     model: a :class:`medusa_lite.MedusaModel`; candidates: the trees (JSON form) whose drafting is timed.
@@ -176,8 +177,17 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     Returns ``{"latency": {cache_len: {tokens: s}}, "draft": {tree_key: s}, "draft_batch": {tree_key: s}, "overhead": s,
     "seconds": s,
     "packed_from": n, "packed_to": n, "stock_one": {cache_len: s}, "phases": {name: s}}``. ``sampler``: drafting
-    is timed with it (sampled drafts), as decoding with sampling drafts.
+    is timed with it (sampled drafts), as decoding with sampling drafts. ``kernels``: what decoding will run with
+    (:class:`medusa_lite.kernels.Kernels`, the verify linears aside; None: ``Kernels.defaults``), set up once for
+    the whole probe as a decoding loop sets them up.
     """
+    kernels = kernels or Kernels.defaults(model.base_model)
+    with kernels.held(model.base_model):
+        return _probe(model, candidates, budget_s, progress, max_tokens_per_step, packed, sampler, kernels)
+
+
+def _probe(model, candidates: list, budget_s: float, progress: bool, max_tokens_per_step: float | None, packed,
+           sampler, kernels: Kernels) -> dict:
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
@@ -188,7 +198,7 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     bar = tqdm(total=len(sizes) + 4 + 2, desc="medusa_lite: fitting speculation to this machine",
                disable=not progress, leave=False, file=sys.stderr)
     prompt = torch.randint(0, vocab, (16,), generator=gen).to(output_weight(model.base_model).device)
-    overhead = step_overhead(model, prompt)
+    overhead = step_overhead(model, prompt, kernels)
     bar.update(1)
     phases = {"overhead": time.perf_counter() - start}
     lat = _Latency(model.base_model, packed, gen)
@@ -198,9 +208,9 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
     # a real state to draft from: the prompt's features, its last token as the root
     ids = torch.cat([prompt, prompt[-1:]])
     features = drafter_features(out.hidden_states, model.drafter.hidden_layers)[:, : prompt.numel()]
-    draft = draft_seconds(model, candidates, model.drafter.start([ids], features), sampler)
+    draft = draft_seconds(model, candidates, model.drafter.start([ids], features), sampler, kernels)
     rows = model.drafter.start([ids] * DRAFT_BATCH, features.expand(DRAFT_BATCH, -1, -1))
-    draft_batch = draft_seconds(model, candidates, rows, sampler)  # rows of a batched step share the drafter's passes
+    draft_batch = draft_seconds(model, candidates, rows, sampler, kernels)  # rows of a batched step share the drafter's passes
     bar.update(1)
     bar.close()
     phases["drafting"] = time.perf_counter() - start - phases["overhead"] - phases["latency"]
@@ -221,7 +231,8 @@ def one_token_seconds(model, cache_len: int = PROBE_CACHE_LENGTHS[0], repeats: i
     _, cache = filled_cache(target, torch.randint(0, vocab, (16,), generator=gen).to(device), cache_len, gen)
     ids = torch.randint(0, vocab, (1,), generator=gen).to(device)
     buffers, layout = build_buffers(chain(0), device), attention_layout(target)
-    return min(verify_seconds(target, cache, ids, buffers, cache_len, layout=layout) for _ in range(repeats + 1))
+    with Kernels().held(target):  # as the probe timed it: the attention routed once, not per timed forward
+        return min(verify_seconds(target, cache, ids, buffers, cache_len, layout=layout) for _ in range(repeats + 1))
 
 
 def _greedy_config():

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from transformers import GenerationConfig
 
 from .._hf import output_weight
 from ..decode import BatchGuards, FittedPlan, Plan, SpeedGuard, make_plan
-from ..kernels import drafting_linears
+from ..kernels import Kernels, drafting_linears
 from ..sampling import DraftSampler, build_warpers
 from ..tree import parse_tree
 from .pricing import HardwareFit, fit_trees
@@ -28,7 +28,7 @@ class FitState:
     fit: HardwareFit
     guards: list[SpeedGuard]      # per context bucket, kept across generate calls
     batch: BatchGuards            # the tree of steps that verify several rows together
-    kernels: object = None        # medusa_lite.kernels.VerifyKernels, or None: the stock kernels
+    kernels: Kernels | None = None  # what it decodes with (None: Kernels.defaults, the unfitted kernels)
 
 
 class FitSession:
@@ -68,18 +68,18 @@ class FitSession:
             return None
         sampler = DraftSampler(build_warpers(GenerationConfig(do_sample=True, top_k=0)), None) if sample else None
         # drafting is timed (and decodes) through the kernel, packed from the drafter's weights as they are now
-        model.drafter.use_linears(drafting_linears(model.drafter))
-        fingerprint, measured, hit, kernels = load_or_probe(
+        kernels = Kernels.defaults(model.base_model, draft_linears=drafting_linears(model.drafter))
+        fingerprint, measured, hit, linears = load_or_probe(
             model, [c.tree for c in candidates if c.tree != []], force=force, progress=progress,
             budget_s=budget_s or DEFAULT_BUDGET_S, max_tokens_per_step=max(max(c.tokens_per_step) for c in candidates),
-            sampler=sampler)
+            sampler=sampler, kernels=kernels)
         buckets = tuple(model.acceptance.buckets)
         ladders = fit_trees(candidates, measured["latency"], measured["draft"], measured["overhead"], buckets)
-        if kernels is not None:
-            kernels.prepare()  # pack the weights now: no decoding step (nor the guard's timing) pays for it
+        if linears is not None:
+            linears.prepare()  # pack the weights now: no decoding step (nor the guard's timing) pays for it
         fit = HardwareFit(fingerprint, ladders, buckets, hit, measured["seconds"], measured["packed_from"],
                           measured["packed_to"], measured, candidates)
-        self.use(fit, sample, kernels=kernels)
+        self.use(fit, sample, kernels=replace(kernels, linears=linears))
         return fit
 
     def _can_draft(self, tree) -> bool:
@@ -114,7 +114,7 @@ class FitSession:
         state = self._active(sample, fit)
         return None if state is None else state.batch
 
-    def kernels(self, sample: bool):
+    def kernels(self, sample: bool) -> Kernels | None:
         state = self.state(sample)
         return None if state is None else state.kernels
 

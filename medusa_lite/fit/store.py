@@ -133,11 +133,13 @@ def stale(model, measured: dict) -> bool:
 
 
 def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
-                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None):
-    """(fingerprint, measured, cache hit, verify kernels or None): the cached probe for this machine, target and
-    candidates, else a fresh probe (written to the cache). The kernels are the packed linears
-    (:mod:`medusa_lite.kernels`: the skinny kernel, else MKL's packed GEMM) where they were measured faster,
-    packed once per process."""
+                  budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None,
+                  kernels=None):
+    """(fingerprint, measured, cache hit, verify linears or None): the cached probe for this machine, target and
+    candidates, else a fresh probe (written to the cache) that decodes and drafts with ``kernels``
+    (:class:`medusa_lite.kernels.Kernels`). The verify linears (:class:`medusa_lite.kernels.VerifyKernels`: the
+    skinny kernel, else MKL's packed GEMM) cover the sizes where they were measured faster, packed once per
+    process."""
     weight = output_weight(model.base_model)
     fingerprint = machine_fingerprint(weight.device, weight.dtype)
     heads = {k: v for k, v in model.config.to_dict().items() if k != "tree"}
@@ -156,7 +158,7 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
     if measured is None:
         packed = kind(model.base_model, counts) if kind is not None else None
         measured = probe(model, candidates, budget_s=budget_s, progress=progress,
-                         max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler)
+                         max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler, kernels=kernels)
         write_cached(key, fingerprint, measured)
         measured = check_measured(json.loads(json.dumps(measured)))
     if not measured["packed_from"] or not counts:
