@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 
-from ._hf import context_length, output_weight, text_config
+from ._hf import context_length, output_weight, resolve_generation_config, text_config
 from .kv import check_model
 from .decode import (STOP_OPTIONS, BatchGuards, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch,
                      SpeedGuard, eos_ids, make_plan, run_batch)
@@ -172,7 +172,7 @@ class MedusaModel(nn.Module):
     def use_fit(self, fit: HardwareFit, sample: bool = False, *, guard=SpeedGuard, kernels=None) -> None:
         """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), a fresh
         ``guard(ladder)`` per bucket (:class:`medusa_lite.fit.SpeedGuard`, or a ``functools.partial`` of it with
-        another window) and the verify ``kernels`` (:class:`medusa_lite.kernels.VerifyKernels`; None: stock)."""
+        another window) and ``kernels`` (:class:`medusa_lite.kernels.Kernels`; None: ``Kernels.defaults``)."""
         self.fits.use(fit, sample, guard=guard, kernels=kernels)
 
     def batch_guards(self, sample: bool = False, fit: bool | None = None) -> BatchGuards | None:
@@ -226,7 +226,7 @@ class MedusaModel(nn.Module):
         # OpenAI's and vLLM's options (not transformers' fields): extra attributes of the config, as GenerationConfig
         # keeps them
         extra = {name: kwargs.pop(name) for name in SAMPLING_OPTIONS + STOP_OPTIONS if name in kwargs}
-        config, unused = self.base_model._prepare_generation_config(generation_config, **kwargs)
+        config, unused = resolve_generation_config(self.base_model, generation_config, **kwargs)
         for name, value in extra.items():
             setattr(config, name, value)
         unused.pop("use_cache", None)
