@@ -4,6 +4,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# transformers: pyproject allows >=5.24,<6 and `make test` runs on what pip resolves. TRANSFORMERS=<version> pins the
+# venv to that release first (as `.venv/bin/pip install transformers==<version>` does); the lower-bound check, which
+# CI runs (.ci/run), is `make test TRANSFORMERS=5.24.0`.
+TRANSFORMERS ?=
 
 .PHONY: demo test test-fast gpu-check vllm-check peer-bench install clean
 
@@ -27,6 +31,7 @@ demo: $(STAMP)
 # two workers (pytest-xdist) that steal work from each other: the tests run one torch thread each, so a 2-core
 # machine runs two at once and the long Monte Carlo cases spread over both
 test: $(STAMP)
+	$(if $(TRANSFORMERS),$(PIP) install -q "transformers==$(TRANSFORMERS)")
 	$(PY) -m pytest -q -x -n 2 --dist worksteal --durations=15
 
 test-fast: $(STAMP)

@@ -58,7 +58,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 # What transformers' generate() gives a field of the generation config that neither the caller nor the model's
 # generation_config sets (GenerationConfig's docstring points to them; transformers exposes no public accessor).
-# tests/test_install.py holds this table equal to transformers' own.
+# tests/test_transformers_contract.py holds this table equal to transformers' own.
 GENERATION_DEFAULTS = {
     "max_length": 20, "min_length": 0, "do_sample": False, "use_cache": True, "early_stopping": False, "num_beams": 1,
     "temperature": 1.0, "top_k": 50, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0,
