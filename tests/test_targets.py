@@ -71,3 +71,14 @@ def test_auto_means_the_cuda_device_and_bf16_where_there_is_one(monkeypatch):
     with pytest.raises(TargetError, match="2 CUDA device"):
         resolve_device("cuda:2")
     assert targets.resolve_dtype("auto", "cpu") == torch.float32  # the CPU stays fp32 where CUDA is present
+
+
+def test_a_gguf_target_is_dequantised_once_and_a_packaged_one_loads_by_name(named, monkeypatch):
+    folder, gguf_file, what = locate_target(str(named["gguf"]))
+    assert gguf_file is None and (folder / "model.safetensors").is_file() and str(named["gguf"]) in what
+    assert locate_target(str(named["gguf"]))[0] == folder  # the second time from the cache
+    monkeypatch.setitem(targets.PACKAGED_TARGETS, "tiny-packaged", lambda: named["gguf"])
+    model, _ = load_target("tiny-packaged")
+    assert torch.equal(_logits(model), _logits(load_target(named["folder"])[0]))
+    with pytest.raises(TargetError, match="revision"):
+        locate_target("tiny-packaged", revision="v2")
