@@ -12,7 +12,7 @@ _PACKAGE = Path(__file__).parent
 CONFIGS_DIR = Path(list(importlib.util.find_spec("medusa_lite.configs").submodule_search_locations)[0])
 PRETRAINED_ROOT = _PACKAGE / "pretrained"         # one folder per bundled drafter of the default target
 PRETRAINED_DIR = PRETRAINED_ROOT / "smollm2-135m-instruct"  # the default: what ``--heads`` unset loads
-_SUFFIXES = {"train": ".yaml", "serve": ".yaml", "deepspeed": ".json", "trees": ".json"}
+_SUFFIXES = {"train": ".yaml", "serve": ".yaml", "campaign": ".yaml", "deepspeed": ".json", "trees": ".json"}
 
 
 def cache_dir() -> Path:

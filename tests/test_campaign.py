@@ -229,3 +229,15 @@ def test_two_runs_trained_side_by_side_keep_the_better_whichever_finishes_last(t
     C.run_train(root, C.load_ledger(root, args), args)  # began when the bar was 0.5
     runs = C.load_ledger(root, args)["runs"]
     assert shipped == [] and [r.get("kept") for r in runs[1:]] == [True, False]
+
+
+def test_every_shipped_campaign_config_parses_and_names_a_shipped_training_config():
+    from medusa_lite.paths import shipped_configs
+    from medusa_lite.train.campaign import parse_args
+    from medusa_lite.train.train import build_config
+
+    assert "gemma3-270m" in shipped_configs("campaign")
+    for name in shipped_configs("campaign"):
+        settings, _ = parse_args(["status", "--config", name])
+        train = build_config(settings.train_config, [])
+        assert train.head_type == "eagle3" and train.target == settings.target
