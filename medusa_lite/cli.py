@@ -10,24 +10,28 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {
+COMMANDS = {  # what users do: train a drafter, generate with it, serve it, measure it
     "demo": ("medusa_lite.serve.demo", "chat prompts on the default model: plain generate vs medusa_lite"),
-    "campaign": ("medusa_lite.train.campaign", "the drafter campaign: committed data, resumable training, ledger"),
-    "diagnose": ("medusa_lite.train.diagnose", "a drafter's top-1 by task, context length, answer position, copyability"),
-    "distill-data": ("medusa_lite.train.distill_data", "the target's own answers to ShareGPT prompts (training data)"),
-    "train": ("medusa_lite.train.train", "fine-tune heads (DeepSpeed, one CPU process or many GPUs)"),
-    "export-vllm": ("medusa_lite.train.export_vllm", "write heads in vLLM's Medusa checkpoint layout"),
-    "serve": ("medusa_lite.serve.server", "OpenAI-compatible server"),
-    "loadtest": ("medusa_lite.serve.loadtest", "concurrent clients against a running (or spawned) server"),
-    "bench": ("medusa_lite.serve.bench", "Spec-Bench benchmark vs plain generate and prompt lookup"),
-    "compare": ("medusa_lite.serve.compare", "two bench reports paired by question: B - A with a 95% interval"),
+    "train": ("medusa_lite.train.train", "train a drafter for a target (DeepSpeed, one CPU process or many GPUs)"),
     "calibrate": ("medusa_lite.serve.calibrate", "fit the tree to the heads and this hardware"),
+    "serve": ("medusa_lite.serve.server", "OpenAI-compatible server"),
+    "bench": ("medusa_lite.serve.bench", "Spec-Bench benchmark vs plain generate and prompt lookup"),
+    "export-vllm": ("medusa_lite.train.export_vllm", "write a drafter in vLLM's checkpoint layout"),
+    # maintainers': the long-running drafter campaigns, their diagnosis, server load (campaign/README.md)
+    "campaign": ("medusa_lite.train.campaign", "a drafter campaign: committed data, resumable training, ledger"),
+    "distill-data": ("medusa_lite.train.distill_data", "the target's own answers or continuations (training data)"),
+    "diagnose": ("medusa_lite.train.diagnose", "a drafter's top-1 by task, context length, answer position, copyability"),
+    "loadtest": ("medusa_lite.serve.loadtest", "concurrent clients against a running (or spawned) server"),
+    "compare": ("medusa_lite.serve.compare", "two bench reports paired by question: B - A with a 95% interval"),
 }
+MAINTAINER_COMMANDS = ("campaign", "distill-data", "diagnose", "loadtest", "compare")
 
 
 def _usage() -> str:
     lines = ["usage: medusa-lite COMMAND [ARGS]   (medusa-lite COMMAND --help for its options)", "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items() if name not in MAINTAINER_COMMANDS]
+    lines += ["", "maintainer commands:"]
+    lines += [f"  {name:<12} {COMMANDS[name][1]}" for name in MAINTAINER_COMMANDS]
     return "\n".join(lines)
 
 
