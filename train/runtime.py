@@ -29,6 +29,8 @@ def init_runtime(cfg: TrainConfig) -> Runtime:
 
     from medusa_lite.targets import resolve_device
 
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and ":" in str(cfg.device):  # every rank would take that one GPU
+        raise ValueError(f"device {cfg.device!r} under a launcher: use auto or cuda (each rank takes its LOCAL_RANK's)")
     device = resolve_device(cfg.device)  # auto and cuda: this rank's CUDA device (LOCAL_RANK) where there is one
     # no launcher: a world of one. DeepSpeed reads these variables (LOCAL_RANK even after the init); a launcher
     # started later sets its own for its ranks, and the marker that this world is made up is not an env variable
