@@ -241,3 +241,16 @@ def test_every_shipped_campaign_config_parses_and_names_a_shipped_training_confi
         settings, _ = parse_args(["status", "--config", name])
         train = build_config(settings.train_config, [])
         assert train.head_type == "eagle3" and train.target == settings.target
+
+
+def test_campaign_all_goes_from_nothing_to_a_drafter_in_one_command(material, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "campaign"
+    config = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "unused",
+                          head_type="hydra", num_heads=2, eval_samples=4, save_every=0)
+    campaign(["all", f"--root={root}", f"--target={material['target']}", f"--prompts={material['data']}",
+              "--eval-start=60", "--eval-prompts=6", "--batch-size=2", "--chunk=8", "--max-chunks=1", "--minutes=5",
+              f"--train-config={config}", "--extra=max_steps=2,warmup_steps=1"])
+    ledger = json.loads((root / "ledger.json").read_text())
+    assert ledger["eval"]["complete"] and ledger["data"][0]["complete"] and ledger["runs"][0]["steps"] == 2
+    assert (root / "hydra" / "heads.safetensors").is_file()

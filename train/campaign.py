@@ -5,6 +5,8 @@ machine, leaves it further along and never back at zero.
     medusa-lite campaign data --minutes 120          # self-distil the next prompt chunks (a partial chunk resumes)
     medusa-lite campaign eval                        # the held-out documents (once; a fixed yardstick)
     medusa-lite campaign train --minutes 120         # resume or warm-start training on all committed data
+    medusa-lite campaign all --minutes 240           # all three from nothing in one time box (--data-share of it
+                                                     # for the data, the rest for training)
 
 Everything lives under ``--root`` (``campaign/`` in a checkout), small enough to commit:
 
@@ -29,7 +31,7 @@ import json
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import fmean
 
@@ -37,7 +39,7 @@ from medusa_lite.config import CONFIG_NAME
 from medusa_lite.settings import Names, SettingsParser, option
 
 LEDGER = "ledger.json"
-STAGES = ("status", "data", "eval", "train")
+STAGES = ("status", "data", "eval", "train", "all")
 DEFAULT_POSITIONS_PER_S = 80  # EAGLE-3, one AMD EPYC (AVX2) core, fp32, no feature cache; then the last run's speed
 
 
@@ -66,6 +68,7 @@ class CampaignSettings:
                                   "config's is a fresh drafter's; runs 13/14 side by side: 3e-4 beat 1e-3)")
     extra: Names = option(Names(()), "further train overrides, key=value (after the campaign's own: they win)")
     output_dir: str = option("runs/campaign/train", "the training run's scratch directory (checkpoints, features)")
+    data_share: float = option(0.5, "all: the share of --minutes for the held-out set and data; training gets the rest")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[CampaignSettings, str]:
@@ -285,6 +288,19 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
         print(f"campaign: drafter written to {root / base.head_type}; held-out top-1 {ev.get('top1')}")
 
 
+def run_all(root: Path, ledger: dict, args: CampaignSettings) -> dict:
+    """One time box from nothing to a drafter: the held-out set (once), new data until ``data_share`` of
+    ``--minutes`` is spent, then training for what is left. Returns the ledger as it stands at the end."""
+    start = time.time()
+    data_minutes = args.minutes * args.data_share
+    run_eval(root, ledger, replace(args, minutes=data_minutes))
+    left = data_minutes - (time.time() - start) / 60
+    if left > 0:
+        run_data(root, ledger, replace(args, minutes=left))
+    run_train(root, ledger, replace(args, minutes=max(args.minutes - (time.time() - start) / 60, 1.0)))
+    return load_ledger(root, args)
+
+
 def improves(runs: list[dict], top1: list[float] | None) -> bool:
     """Whether a run's held-out top-1 (mean over depths) is at least the committed drafter's (the last run kept):
     a run never leaves the campaign behind where it was. Without figures to compare, the new run is kept."""
@@ -316,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
         run_eval(root, ledger, args)
     elif stage == "train":
         run_train(root, ledger, args)
+    elif stage == "all":
+        ledger = run_all(root, ledger, args)
     print(status(ledger))
     return ledger
 
