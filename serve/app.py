@@ -16,8 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine import Engine, Job
 from .metrics import Metrics
-from .schemas import (APIError, ChatRequest, Common, CompletionRequest, best_completions, candidates, parse_request,
-                      read_json, requested_logprobs, sampling_kwargs)
+from .params import NEUTRAL, best_completions, candidates, parse, requested_logprobs, sampling_kwargs, stop_kwargs
+from .schemas import APIError, ChatRequest, Common, CompletionRequest, read_json
+from .utility import ApiKeyCheck, add_utility_routes
 
 log = logging.getLogger("medusa_lite.serve")
 
@@ -101,9 +102,11 @@ class _JobStream(StreamingResponse):
                 self.engine.cancel(job)
 
 
-def create_app(engine: Engine, metrics: Metrics, settings, model_name: str) -> FastAPI:
+def create_app(engine: Engine, metrics: Metrics, settings, model_name: str,
+               defaults: dict[str, Any] | None = None) -> FastAPI:
     """The FastAPI app around a started-or-not engine (started in the lifespan). ``settings``: the server's
-    (:class:`medusa_lite.serve.server.Settings`)."""
+    (:class:`medusa_lite.serve.server.Settings`); ``defaults``: of the sampling fields a request leaves out
+    (:func:`~medusa_lite.serve.params.generation_defaults`; None: neutral)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -113,9 +116,11 @@ def create_app(engine: Engine, metrics: Metrics, settings, model_name: str) -> F
         engine.close(timeout=settings.shutdown_timeout)
 
     app = FastAPI(title="medusa_lite", lifespan=lifespan)
-    app.add_middleware(_CountStatus, counter=metrics.requests)
+    if getattr(settings, "api_key", None):
+        app.add_middleware(ApiKeyCheck, key=settings.api_key)
+    app.add_middleware(_CountStatus, counter=metrics.requests)  # outermost: it counts the 401s too
     _add_error_handlers(app)
-    api = Api(engine, settings, model_name)
+    api = Api(engine, settings, model_name, defaults or dict(NEUTRAL))
 
     @app.get("/health")
     async def health():
@@ -138,6 +143,7 @@ def create_app(engine: Engine, metrics: Metrics, settings, model_name: str) -> F
 
     app.post("/v1/completions")(api.completions)
     app.post("/v1/chat/completions")(api.chat_completions)
+    add_utility_routes(app, api)
     return app
 
 
@@ -166,8 +172,8 @@ def sse(obj: dict) -> str:
 class Api:
     """The completion endpoints: admit a request as a job of the engine, then answer with its result or stream it."""
 
-    def __init__(self, engine: Engine, settings, model_name: str):
-        self.engine, self.settings, self.model_name = engine, settings, model_name
+    def __init__(self, engine: Engine, settings, model_name: str, defaults: dict[str, Any]):
+        self.engine, self.settings, self.model_name, self.defaults = engine, settings, model_name, defaults
         self.card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "medusa_lite",
                      "max_model_len": engine.limit}
 
@@ -178,16 +184,22 @@ class Api:
 
     def admit(self, req: Common, prompt_ids: list[int], requested: int | None, param: str) -> list[Job]:
         """The request's completions (:func:`candidates`: ``n``, or ``best_of`` to rank), each a job of the engine
-        (a row of the batch) reporting to one queue."""
-        max_tokens = _budget(self.engine, len(prompt_ids), requested, self.settings.default_max_tokens, param)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        (a row of the batch) reporting to one queue; the prompt cut to its last ``truncate_prompt_tokens`` first."""
+        if req.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-req.truncate_prompt_tokens:]
+        default = self.defaults.get("max_tokens", self.settings.default_max_tokens)
+        max_tokens = _budget(self.engine, len(prompt_ids), requested, default, param)
+        stops = stop_kwargs(req, lambda text: self.engine.encode(text, special=False))
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         count = candidates(req)
         logprobs = requested_logprobs(req)
         if count > (req.n or 1) and logprobs is None:
             logprobs = 0  # ranking needs each token's log-probability (not reported)
-        jobs = [Job(prompt_ids, max_tokens, sampling_kwargs(req, self.engine.model.device, i), stop, loop,
-                    events=events, index=i, logprobs=logprobs) for i in range(count)]
+        ids = {"id": req.request_id} if req.request_id is not None else {}
+        device = self.engine.model.device
+        jobs = [Job(prompt_ids, max_tokens, {**sampling_kwargs(req, device, i, self.defaults), **stops}, loop,
+                    events=events, index=i, logprobs=logprobs, ids_as_tokens=bool(req.return_tokens_as_token_ids),
+                    priority=req.priority, **ids) for i in range(count)]
         try:
             for job in jobs:
                 self.engine.submit(job)
@@ -211,14 +223,15 @@ class Api:
 
     async def stream(self, jobs: list[Job], request: Request, chat: bool, include_usage: bool,
                      echo: str = "") -> AsyncIterator[str]:
-        """SSE chunks of the jobs' completions (``echo``: the prompt's text, each choice's first chunk)."""
+        """SSE chunks of the jobs' completions (``echo``: the prompt's text, or the chat's last message, each choice's
+        first text)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + jobs[0].id
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name}
         extra = {"usage": None} if include_usage else {}
 
         def chunk(index: int, text: str | None, finish: str | None, role: bool = False, logprobs=None,
-                  **fields) -> str:
+                  stop_reason=None, **fields) -> str:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
                 choice = {"index": index, "delta": delta, "logprobs": openai_logprobs(logprobs, chat),
@@ -226,12 +239,14 @@ class Api:
             else:
                 choice = {"index": index, "text": text or "", "logprobs": openai_logprobs(logprobs, chat),
                           "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason  # vLLM's: the stop token id or stop string
             return sse({**base, "choices": [choice], **extra, **fields})
 
         for job in jobs:
             if chat:
                 yield chunk(job.index, None, None, role=True)
-            elif echo:
+            if echo:
                 yield chunk(job.index, echo, None)
         done = []
         async for index, kind, payload in _events(jobs, self.engine, request):
@@ -244,7 +259,8 @@ class Api:
             else:
                 if payload["delta"]:
                     yield chunk(index, payload["delta"], None)
-                yield chunk(index, None if chat else "", payload["finish_reason"], medusa_lite=payload["medusa_lite"])
+                yield chunk(index, None if chat else "", payload["finish_reason"], stop_reason=payload["stop_reason"],
+                            medusa_lite=payload["medusa_lite"])
                 done.append(payload)
         if include_usage and len(done) == len(jobs):
             yield sse({**base, "choices": [], "usage": _usage(done)})
@@ -255,9 +271,9 @@ class Api:
         return _JobStream(self.stream(jobs, request, chat, include_usage, echo), jobs, self.engine)
 
     async def completions(self, request: Request):
-        req = parse_request(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
+        req = parse(CompletionRequest, await read_json(request, self.settings.max_body_bytes))
         self.check_model(req.model)
-        prompt_ids = self._prompt_ids(req.prompt)
+        prompt_ids = self._prompt_ids(req.prompt, req.add_special_tokens is not False)
         jobs = self.admit(req, prompt_ids, req.max_tokens, "prompt")
         echo = self._prompt_text(req.prompt, prompt_ids) if req.echo else ""
         if req.stream:
@@ -270,7 +286,8 @@ class Api:
                 "model": self.model_name,
                 "choices": [{"index": i, "text": echo + out["text"],
                              "logprobs": openai_logprobs(out["logprobs"], False) if reported else None,
-                             "finish_reason": out["finish_reason"]} for i, out in enumerate(chosen)],
+                             "finish_reason": out["finish_reason"], "stop_reason": out["stop_reason"]}
+                            for i, out in enumerate(chosen)],
                 "usage": usage, "medusa_lite": chosen[0]["medusa_lite"]}
 
     def _prompt_text(self, prompt, prompt_ids: list[int]) -> str:
@@ -278,35 +295,59 @@ class Api:
         prompt = _one_prompt(prompt)
         return prompt if isinstance(prompt, str) else self.engine.decode(prompt_ids)
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        """A completion request's prompt (a string, a list of one string, or token ids) as token ids."""
+    def _prompt_ids(self, prompt, special: bool = True) -> list[int]:
+        """A completion request's prompt (a string, a list of one string, or token ids) as token ids (``special``:
+        with the tokenizer's special tokens, e.g. BOS)."""
         prompt = _one_prompt(prompt)
         if isinstance(prompt, str):
-            return self.engine.encode(prompt, special=True)
+            return self.engine.encode(prompt, special=special)
         vocab = self.engine.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return list(prompt)
 
-    async def chat_completions(self, request: Request):
-        req = parse_request(ChatRequest, await read_json(request, self.settings.max_body_bytes))
-        self.check_model(req.model)
+    def chat_prompt(self, req) -> list[int]:
+        """A chat request's (or a chat ``/tokenize`` request's) messages through the chat template, as token ids."""
         if not req.messages:
             raise APIError(400, "messages must not be empty", param="messages")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                    for m in req.messages]
+        options = {"add_generation_prompt": req.add_generation_prompt,
+                   "continue_final_message": req.continue_final_message, **(req.chat_template_kwargs or {})}
+        if getattr(req, "documents", None):
+            options["documents"] = req.documents
+        return self.engine.chat_prompt(chat_messages(req.messages), template=req.chat_template,
+                                       special=bool(req.add_special_tokens), **options)
+
+    async def chat_completions(self, request: Request):
+        req = parse(ChatRequest, await read_json(request, self.settings.max_body_bytes))
+        self.check_model(req.model)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        jobs = self.admit(req, self.engine.chat_prompt(messages), requested, "messages")
+        jobs = self.admit(req, self.chat_prompt(req), requested, "messages")
+        last = chat_messages(req.messages)[-1]
+        echo = last["content"] if req.echo and last["role"] == "assistant" else ""  # vLLM's chat echo
         if req.stream:
-            return self.respond(jobs, req, request, chat=True)
+            return self.respond(jobs, req, request, chat=True, echo=echo)
         outs = await self.collect(jobs, request)
+        chosen = best_completions(outs, req.n or 1) if len(outs) > (req.n or 1) else outs
+        reported = requested_logprobs(req) is not None
         return {"id": "chatcmpl-" + jobs[0].id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": out["text"]},
-                             "logprobs": openai_logprobs(out["logprobs"], True), "finish_reason": out["finish_reason"]}
-                            for i, out in enumerate(outs)],
-                "usage": _usage(outs), "medusa_lite": outs[0]["medusa_lite"]}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": echo + out["text"]},
+                             "logprobs": openai_logprobs(out["logprobs"], True) if reported else None,
+                             "finish_reason": out["finish_reason"], "stop_reason": out["stop_reason"]}
+                            for i, out in enumerate(chosen)],
+                "usage": _usage(outs), "medusa_lite": chosen[0]["medusa_lite"]}
+
+
+def chat_messages(messages) -> list[dict]:
+    """Request messages as the chat template takes them (text parts joined; ``developer`` is ``system``)."""
+    out = []
+    for m in messages:
+        message = {"role": "system" if m.role == "developer" else m.role,
+                   "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 def _one_prompt(prompt):

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import StoppingCriteriaList
-from transformers.generation.stopping_criteria import StopStringCriteria
 
 from medusa_lite import MedusaModel
 from medusa_lite._hf import context_length
@@ -78,8 +76,7 @@ class Job:
 
     prompt_ids: list[int]
     max_tokens: int
-    gen_kwargs: dict[str, Any]
-    stop: list[str]
+    gen_kwargs: dict[str, Any]  # generate()'s: sampling, the stop rule's conditions, token masks
     loop: asyncio.AbstractEventLoop
     arrival: float = field(default_factory=time.perf_counter)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
@@ -90,6 +87,8 @@ class Job:
     detok: Any = None
     index: int = 0           # its choice among the request's ``n`` (which share ``events``)
     logprobs: int | None = None  # report tokens' log-probs with this many alternatives (None: none)
+    ids_as_tokens: bool = False  # log-prob entries name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    priority: int = 0        # lower first (vLLM's); equal priorities keep their arrival order
 
     def emit(self, kind: str, payload: Any = None) -> None:
         try:
@@ -99,43 +98,38 @@ class Job:
 
 
 class Detokenizer:
-    """Token ids -> text deltas whose concatenation is the final text, cut at the first stop string.
+    """A row's text as deltas whose concatenation is its final text: the text of the row's stop rule
+    (:class:`medusa_lite.decode.Stopper`, which decodes it and says where it ends). While the row runs, text that might
+    still become (the start of) a stop string, or an incomplete UTF-8 sequence, is held back."""
 
-    Text that might still become (the start of) a stop string, or an incomplete UTF-8 sequence, is
-    held back until more tokens arrive or generation ends.
-    """
-
-    def __init__(self, tokenizer, lock: threading.Lock, stop: list[str]):
-        self.tok, self.lock, self.stop = tokenizer, lock, stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
-        self.ids: list[int] = []
+    def __init__(self, tokenizer, lock: threading.Lock, ids_as_tokens: bool = False):
+        self.tok, self.lock, self.ids_as_tokens = tokenizer, lock, ids_as_tokens
+        self.stopper = None  # the row's, once its sequence is made
         self.sent = ""
 
-    def _text(self) -> tuple[str, bool]:
-        with self.lock:
-            text = self.tok.decode(self.ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return (text[:min(cuts)], True) if cuts else (text, False)
+    def _text(self) -> str:
+        text, finish = self.stopper.text(), self.stopper.finish
+        return text if finish is None or finish.text_end is None else text[:finish.text_end]
 
-    def add(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        text, stopped = self._text()
-        if not stopped:
-            text = text[:len(text) - self.hold] if self.hold else text
-            text = text.rstrip("\ufffd")
+    def add(self) -> str:
+        """The delta after the row's newest tokens."""
+        text = self._text()
+        if self.stopper.finish is None:
+            hold = max((len(s) for s in self.stopper.rule.strings), default=1) - 1
+            text = (text[:len(text) - hold] if hold else text).rstrip("\ufffd")
         return self._advance(text)
 
-    def finish(self) -> tuple[str, bool]:
-        """(last delta, whether a stop string cut the text)."""
-        text, stopped = self._text()
-        return self._advance(text), stopped
+    def finish(self) -> str:
+        """The last delta."""
+        return self._advance(self._text())
 
     def logprobs(self, ids: list[int], entries: list) -> list[dict]:
         """Tokens with their log-probs (``Sequence.token_logprobs`` entries) as
-        ``{"token", "bytes", "logprob", "top": [{"token", "bytes", "logprob"}]}``, each token's own text."""
+        ``{"token", "bytes", "logprob", "top": [{"token", "bytes", "logprob"}]}``, each token's own text (or
+        ``token_id:<id>``)."""
         with self.lock:
             def piece(i: int, lp: float) -> dict:
-                text = self.tok.decode([i])
+                text = f"token_id:{i}" if self.ids_as_tokens else self.tok.decode([i])
                 return {"token": text, "bytes": list(text.encode()), "logprob": lp}
 
             return [{**piece(i, lp), "top": [piece(t, v) for t, v in top]} for i, (lp, top) in zip(ids, entries)]
@@ -145,6 +139,18 @@ class Detokenizer:
             return ""  # nothing new (or a tokenizer that re-spells earlier text: keep what was sent)
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+class LockedTokenizer:
+    """The tokenizer's ``decode`` under the engine's lock (fast tokenizers must not be used from two threads at once):
+    what the worker's stop rules decode with, while the event loop tokenizes requests."""
+
+    def __init__(self, tokenizer, lock: threading.Lock):
+        self.tok, self.lock = tokenizer, lock
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        with self.lock:
+            return self.tok.decode(ids, **kwargs)
 
 
 class _JobStreamer:
@@ -168,7 +174,7 @@ class _JobStreamer:
         if self.job.first_token is None:
             self.job.first_token = time.perf_counter()
             self.metrics.ttft.observe(self.job.first_token - self.job.arrival)
-        delta = self.detok.add(ids)
+        delta = self.detok.add()
         self.job.emit("delta", (delta, self.tokens, logprobs))
 
     def end(self) -> None:
@@ -185,17 +191,18 @@ class Engine:
 
     def __init__(self, model: MedusaModel, tokenizer, metrics: Metrics, max_queue: int, max_batch_size: int = 16,
                  max_batched_tokens: int = 128, max_prefill_tokens: int = PREFILL_TOKENS, arrival_window: float = 0.02,
-                 torch_thread: TorchThread | None = None):
+                 torch_thread: TorchThread | None = None, *, max_model_len: int | None = None,
+                 chat_template: str | None = None):
         self.model, self.tok, self.metrics, self.max_queue = model, tokenizer, metrics, max_queue
         self.max_batch_size, self.max_batched_tokens = max_batch_size, max_batched_tokens
         self.max_prefill_tokens, self.arrival_window = max_prefill_tokens, arrival_window
         self.batch = model.decoder(max_step_tokens=max_batched_tokens)
         self.tok_lock = threading.Lock()  # fast tokenizers must not be used from two threads at once
-        self.limit = context_length(model.base_model.config)
-        eos = model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
-        if not self.eos and tokenizer.eos_token_id is not None:
-            self.eos = {tokenizer.eos_token_id}
+        self.decoder = LockedTokenizer(tokenizer, self.tok_lock)  # the stop rules' (on the worker)
+        self.limit = context_length(model.base_model.config)  # prompt + completion, at most (None: unbounded)
+        if max_model_len is not None:
+            self.limit = max_model_len if self.limit is None else min(self.limit, max_model_len)
+        self.chat_template = chat_template  # None: the tokenizer's
         self._pending: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -212,15 +219,21 @@ class Engine:
         with self.tok_lock:
             return self.tok.decode(ids)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if getattr(self.tok, "chat_template", None) is None:
-            raise APIError(400, "this model has no chat template: use /v1/completions", param="messages")
+    def chat_prompt(self, messages: list[dict], *, template: str | None = None, special: bool = False,
+                    **options) -> list[int]:
+        """The messages through the chat template (the request's ``template``, else the server's, else the
+        tokenizer's) as token ids; ``options``: the template's (``add_generation_prompt``, ``continue_final_message``,
+        ``documents``, the request's ``chat_template_kwargs``); ``special``: add the tokenizer's special tokens too."""
+        template = template or self.chat_template
+        if template is None and getattr(self.tok, "chat_template", None) is None:
+            raise APIError(400, "this model has no chat template: use /v1/completions or send chat_template",
+                           param="messages")
         try:
             with self.tok_lock:
-                text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = self.tok.apply_chat_template(messages, chat_template=template, tokenize=False, **options)
         except Exception as e:  # jinja raise_exception(), e.g. roles out of order
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages")
-        return self.encode(text, special=False)
+        return self.encode(text, special=special)
 
     # ---------------------------------------------------------- admission
     def start(self) -> None:
@@ -238,7 +251,10 @@ class Engine:
             if len(self._pending) >= self.max_queue + max(self.max_batch_size - len(self.running), 0):
                 raise APIError(429, f"the server is busy: {len(self._pending)} requests are waiting (max_queue)",
                                type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-            self._pending.append(job)
+            at = len(self._pending)  # behind every job of its priority or a lower one (vLLM's: lower first)
+            while at and self._pending[at - 1].priority > job.priority:
+                at -= 1
+            self._pending.insert(at, job)
             self.metrics.waiting.set(len(self._pending))
             self._cond.notify()
 
@@ -344,17 +360,15 @@ class Engine:
 
     def _sequence(self, job: Job):
         """The job's row (:meth:`MedusaModel.sequence`), streaming into its detokenizer."""
-        detok = Detokenizer(self.tok, self.tok_lock, job.stop)
+        detok = Detokenizer(self.tok, self.tok_lock, job.ids_as_tokens)
         streamer = _JobStreamer(job, detok, self.metrics)
         streamer.prompt_seen = True  # the prompt is not streamed back
-        kwargs = dict(job.gen_kwargs)
-        if job.stop:  # built here, under the lock: the event loop thread tokenizes concurrently
-            with self.tok_lock:
-                kwargs["stopping_criteria"] = StoppingCriteriaList([StopStringCriteria(self.tok, job.stop)])
         job.detok = detok
         ids = torch.tensor(job.prompt_ids, dtype=torch.long, device=self.model.device)
-        return self.model.sequence(ids, max_new_tokens=job.max_tokens, streamer=streamer, tag=job,
-                                   logprobs=job.logprobs, **kwargs)
+        seq = self.model.sequence(ids, max_new_tokens=job.max_tokens, streamer=streamer, tag=job,
+                                  logprobs=job.logprobs, tokenizer=self.decoder, **job.gen_kwargs)
+        detok.stopper = seq.stopper  # the row's text and where it ends: its stop rule's
+        return seq
 
     def _leave(self, jobs: list[Job], error: BaseException) -> None:
         """Take ``jobs`` out of the batch now (cancelled, or their step failed) and report ``error`` to each."""
@@ -387,11 +401,8 @@ class Engine:
             return
         stats, detok = seq.stats, job.detok
         new = seq.stopper.generated
-        delta, stopped = detok.finish()
-        if stopped or (new and new[-1] in self.eos) or len(new) < job.max_tokens:
-            reason = "stop"
-        else:
-            reason = "length"
+        delta = detok.finish()
+        reason = stats.finish_reason or "length"  # why the stop rule stopped it
         now = time.perf_counter()
         m = self.metrics
         m.e2e.observe(now - job.arrival)
@@ -401,7 +412,8 @@ class Engine:
         m.record_spec(stats)
         m.record_fitted(stats, "sample" if job.gen_kwargs.get("do_sample") else "greedy")
         logprobs = detok.logprobs(new, seq.token_logprobs) if job.logprobs is not None else None
-        job.emit("done", {"delta": delta, "finish_reason": reason, "text": detok.sent, "logprobs": logprobs,
+        job.emit("done", {"delta": delta, "finish_reason": reason, "stop_reason": stats.stop_reason,
+                          "text": detok.sent, "logprobs": logprobs,
                           "usage": {"prompt_tokens": len(job.prompt_ids), "completion_tokens": len(new),
                                     "total_tokens": len(job.prompt_ids) + len(new)},
                           "medusa_lite": speculative_stats(stats)})

@@ -1,7 +1,9 @@
-"""The server's Prometheus metrics (vLLM's names, ``medusa_lite:`` prefix) and a request's speculative statistics."""
+"""The server's Prometheus metrics (vLLM's names and ``model_name`` label; prefix ``medusa_lite:``, or ``vllm:`` for
+vLLM's Grafana dashboard) and a request's speculative statistics."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -25,43 +27,47 @@ class Metrics:
     ``1 + accepted / drafts`` the mean tokens per verify step, as in vLLM.
     """
 
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        p = "medusa_lite:"
-        self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps (target forwards over a tree).",
-                              registry=r)
-        self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft positions proposed.", registry=r)
-        self.accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
-        self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by position.", ["position"], registry=r)
-        self.requests = Counter(p + "requests", "API requests by HTTP status.", ["status"], registry=r)
-        self.finished = Counter(p + "request_success", "Finished requests by finish reason "
-                                "(stop / length / cancelled / error).", ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
+    def __init__(self, model_name: str = "model", prefix: str = "medusa_lite") -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name  # every sample's model_name label, as vLLM labels its metrics
+        p = prefix + ":"
+        counter, gauge, histogram = (functools.partial(self._metric, kind) for kind in (Counter, Gauge, Histogram))
+        self.drafts = counter(p + "spec_decode_num_drafts", "Verify steps (target forwards over a tree).")
+        self.draft_tokens = counter(p + "spec_decode_num_draft_tokens", "Draft positions proposed.")
+        self.accepted = counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position.", ["position"])
+        self.requests = counter(p + "requests", "API requests by HTTP status.", ["status"])
+        self.finished = counter(p + "request_success", "Finished requests by finish reason "
+                                "(stop / length / cancelled / error).", ["finished_reason"])
+        self.prompt_tokens = counter(p + "prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter(p + "generation_tokens", "Generated tokens.")
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token (queue wait included).",
-                              buckets=buckets, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to last token.", buckets=buckets,
-                             registry=r)
-        self.running = Gauge(p + "num_requests_running", "Requests generating (rows of the running batch).",
-                             registry=r)
-        self.batch_size = Histogram(p + "batch_size", "Rows verified together, per decoding step.",
-                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued.", registry=r)
+        self.ttft = histogram(p + "time_to_first_token_seconds", "Arrival to first token (queue wait included).",
+                              buckets=buckets)
+        self.e2e = histogram(p + "e2e_request_latency_seconds", "Arrival to last token.", buckets=buckets)
+        self.running = gauge(p + "num_requests_running", "Requests generating (rows of the running batch).")
+        self.batch_size = histogram(p + "batch_size", "Rows verified together, per decoding step.",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
+        self.waiting = gauge(p + "num_requests_waiting", "Requests queued.")
         # the tree fitted to this machine (medusa_lite.fit): what was chosen, predicted vs realized speed
         fit_labels = ["decoding", "context"]
-        self.fit_info = Gauge(p + "fit_info", "The tree fitted to this machine per decoding mode and context bucket "
-                              "(value 1; the machine and tree are labels).", fit_labels + ["machine", "tree"], registry=r)
-        self.fit_predicted = Gauge(p + "fit_predicted_tokens_per_second", "Predicted tokens/s of the fitted tree.",
-                                   fit_labels, registry=r)
-        self.fit_plain = Gauge(p + "fit_predicted_plain_tokens_per_second",
-                               "Predicted tokens/s of plain decoding on this machine.", fit_labels, registry=r)
-        self.fit_tokens = Counter(p + "fit_realized_tokens", "Tokens emitted by speculative steps.", fit_labels,
-                                  registry=r)
-        self.fit_seconds = Counter(p + "fit_realized_seconds", "Wall seconds of speculative steps (realized tokens/s "
-                                   "= rate of fit_realized_tokens / rate of this).", fit_labels, registry=r)
+        self.fit_info = gauge(p + "fit_info", "The tree fitted to this machine per decoding mode and context bucket "
+                              "(value 1; the machine and tree are labels).", fit_labels + ["machine", "tree"])
+        self.fit_predicted = gauge(p + "fit_predicted_tokens_per_second", "Predicted tokens/s of the fitted tree.",
+                                   fit_labels)
+        self.fit_plain = gauge(p + "fit_predicted_plain_tokens_per_second",
+                               "Predicted tokens/s of plain decoding on this machine.", fit_labels)
+        self.fit_tokens = counter(p + "fit_realized_tokens", "Tokens emitted by speculative steps.", fit_labels)
+        self.fit_seconds = counter(p + "fit_realized_seconds", "Wall seconds of speculative steps (realized tokens/s "
+                                   "= rate of fit_realized_tokens / rate of this).", fit_labels)
         self._contexts: dict[str, list[str]] = {}
+
+    def _metric(self, kind, name: str, doc: str, labels: list[str] = (), **kwargs):
+        """A metric of this registry labelled ``model_name``, the label bound: ``.inc()`` etc. where it has no other
+        label, ``.labels(**others)`` where it has."""
+        metric = kind(name, doc, ["model_name", *labels], registry=self.registry, **kwargs)
+        return _ModelLabel(metric, self.model_name) if labels else metric.labels(model_name=self.model_name)
 
     def record_fit(self, fit, decoding: str) -> None:
         """Publish a :class:`medusa_lite.fit.HardwareFit` (``decoding``: greedy or sample)."""
@@ -100,3 +106,13 @@ def speculative_stats(stats: GenerationStats) -> dict[str, Any]:
     return {"verify_steps": stats.verify_steps, "draft_tokens": sum(stats.step_depths),
             "accepted_tokens": sum(stats.accepted_per_depth),
             "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4)}
+
+
+class _ModelLabel:
+    """A labelled metric whose ``labels(...)`` adds the ``model_name`` label."""
+
+    def __init__(self, metric, model_name: str):
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, **labels):
+        return self.metric.labels(model_name=self.model_name, **labels)

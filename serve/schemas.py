@@ -1,12 +1,11 @@
-"""The API's request schemas (pydantic, strict) and errors (OpenAI's ``{"error": {...}}`` JSON), the request body
-reader, and OpenAI sampling parameters turned into ``generate`` arguments."""
+"""The API's request schemas (pydantic, strict, unknown fields refused) and errors (OpenAI's ``{"error": {...}}``
+JSON), and the request body reader. What each field does: :mod:`.params`."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,12 +29,14 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    # strict: "10" is not an int, true is not a number; unknown fields (user, metadata, ...) are ignored
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # strict: "10" is not an int, true is not a number; a field no schema declares is a 400 naming it, and every
+    # declared field is honoured or refused by name (:mod:`.params`): nothing a client sends is dropped silently
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool | None = None  # vLLM's
 
 
 class TextPart(_Strict):
@@ -46,14 +47,16 @@ class TextPart(_Strict):
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None  # handed to the chat template with the message
 
 
 class Common(_Strict):
+    """The fields of both endpoints: OpenAI's, then vLLM's sampling and extra parameters."""
+
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)          # extension (vLLM's); -1 or 0: no top-k
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int | None = Field(None, ge=1)
@@ -61,16 +64,52 @@ class Common(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's)
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> -100..100
     logprobs: bool | int | None = None
+    best_of: int | None = None
+    user: str | None = None
+    # vLLM's sampling parameters
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's extra parameters
+    add_special_tokens: bool | None = None  # None: the endpoint's default (completions: true; chat: false)
+    priority: int = 0
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    # structured output (OpenAI's response_format, vLLM's structured_outputs and guided_*): refused for now
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: Any = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(Common):
     prompt: str | list[str] | list[int]
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    prompt_embeds: Any = None  # vLLM's
 
 
 class ChatRequest(Common):
@@ -78,72 +117,59 @@ class ChatRequest(Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    prediction: Any = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict | None = None
+    reasoning_effort: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # vLLM's chat parameters
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict | None = None
+    include_reasoning: bool | None = None
 
 
-MAX_N = 16  # completions per request (each a row of the batch)
-UNSUPPORTED = {  # OpenAI parameters refused whenever set, and why
-    "suffix": "inserting between a prompt and a suffix needs a fill-in-the-middle format the served model's "
-              "tokenizer does not declare",
-    "tools": "tool calls need the model's tool-call format in its chat template and a parser for its output; "
-             "medusa_lite serves text",
-}
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a completion prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool | None = None  # None: completions true, chat false (as the endpoints)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
-def _check_unsupported(req: Common) -> None:
-    """400 for OpenAI parameters this server accepts only at their neutral value."""
-    for name, why in UNSUPPORTED.items():
-        if getattr(req, name, None):
-            raise APIError(400, f"{name} is not supported: {why}", param=name, code="unsupported_parameter")
-    requested_logprobs(req)  # 400 for a bad logprobs / top_logprobs
-    token_bias(req)  # 400 for a bad logit_bias
-    if (req.n or 1) > MAX_N:
-        raise APIError(400, f"n={req.n}: at most {MAX_N} completions per request", param="n", code="invalid_value")
-    if isinstance(req, CompletionRequest):
-        _check_completion_only(req)
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise APIError(400, "stop: up to 4 non-empty strings", param="stop")
-
-
-def _check_completion_only(req: "CompletionRequest") -> None:
-    """400 for a bad ``best_of`` (at least ``n``, at most :data:`MAX_N`, not streamed when it ranks) or ``echo`` with
-    ``logprobs`` (the prompt's own log-probabilities are not computed)."""
-    if req.best_of is not None:
-        if not (req.n or 1) <= req.best_of <= MAX_N:
-            raise APIError(400, f"best_of={req.best_of}: from n ({req.n or 1}) to {MAX_N}", param="best_of",
-                           code="invalid_value")
-        if req.stream and req.best_of > (req.n or 1):
-            raise APIError(400, "best_of > n cannot be streamed (the best are known only when all have finished)",
-                           param="best_of", code="invalid_value")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (it would need the prompt's log-probabilities)",
-                       param="echo", code="unsupported_parameter")
-
-
-def candidates(req: Common) -> int:
-    """How many completions to generate: ``best_of`` when sampling (the ``n`` best of them are returned), else ``n``
-    (greedy candidates are all the same answer)."""
-    n = req.n or 1
-    best_of = getattr(req, "best_of", None) or n
-    return best_of if req.temperature != 0 else n
-
-
-def best_completions(outs: list[dict], n: int) -> list[dict]:
-    """The ``n`` of ``outs`` with the highest mean log-probability per token (OpenAI's ``best_of`` rule; the target's
-    raw log-probabilities, as ``logprobs`` reports them), best first."""
-    def score(out: dict) -> float:
-        logprobs = [e["logprob"] for e in out["logprobs"]]
-        return sum(logprobs) / len(logprobs) if logprobs else 0.0
-    return sorted(outs, key=score, reverse=True)[:n]
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 _UNION_HINTS = {"prompt": "a string, a list with one string or a list of token ids",
                 "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
 
 
-def parse_request(schema: type[Common], body: Any) -> Common:
+def parse_request(schema: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -153,6 +179,10 @@ def parse_request(schema: type[Common], body: Any) -> Common:
         # loc names fields, list indices and union members ("prompt.str"): keep fields and indices
         fields = {f for m in (schema, Message, TextPart, StreamOptions) for f in m.model_fields}
         path = [str(x) for x in err["loc"] if isinstance(x, int) or x in fields]
+        if err["type"] == "extra_forbidden":  # a field no schema declares: named, never dropped
+            path.append(str(err["loc"][-1]))
+            raise APIError(400, f"{'.'.join(path)}: unknown parameter (neither OpenAI's nor vLLM's for this "
+                                "endpoint)", param=path[0], code="unknown_parameter")
         if err["type"] == "missing":
             code = "missing_required_parameter"
         elif err["type"].startswith(("greater_than", "less_than")):
@@ -163,7 +193,6 @@ def parse_request(schema: type[Common], body: Any) -> Common:
         if len(path) < len(err["loc"]) and path and path[-1] in _UNION_HINTS:  # a union member failed
             msg = f"expected {_UNION_HINTS[path[-1]]}"
         raise APIError(400, f"{'.'.join(path) or 'body'}: {msg}", param=path[0] if path else None, code=code)
-    _check_unsupported(req)
     return req
 
 
@@ -188,58 +217,3 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json")
     except RecursionError:  # json nests by recursion: a body nested thousands of levels deep
         raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json")
-
-
-def requested_logprobs(req: Common) -> int | None:
-    """How many likeliest alternatives to report with each token's log-probability, or None for no log-probs:
-    chat ``logprobs: true`` (+ ``top_logprobs`` 0..20), completions ``logprobs`` 0..5 (OpenAI's ranges)."""
-    top = getattr(req, "top_logprobs", None)
-    if isinstance(req, CompletionRequest):
-        if req.logprobs is None:
-            return None
-        if isinstance(req.logprobs, bool) or not 0 <= req.logprobs <= 5:
-            raise APIError(400, "logprobs: an integer from 0 to 5", param="logprobs", code="invalid_value")
-        return req.logprobs
-    if top is not None and not 0 <= top <= 20:
-        raise APIError(400, "top_logprobs: an integer from 0 to 20", param="top_logprobs", code="invalid_value")
-    if req.logprobs is not None and not isinstance(req.logprobs, bool):
-        raise APIError(400, "logprobs: true or false (top_logprobs says how many alternatives)", param="logprobs",
-                       code="invalid_type")
-    if not req.logprobs:
-        if top:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
-        return None
-    return top or 0
-
-
-def token_bias(req: Common) -> dict[tuple[int], float] | None:
-    """OpenAI's ``logit_bias`` ({"token id": -100..100}) as transformers' ``sequence_bias`` of one-token sequences
-    (added to the target's logits before the penalties and the warpers, at every tree node); 400 if malformed."""
-    if not req.logit_bias:
-        return None
-    bias = {}
-    for key, value in req.logit_bias.items():
-        if not key.isdigit() or not -100 <= value <= 100:
-            raise APIError(400, f"logit_bias: token ids (as strings) mapped to -100..100, got {key!r}: {value!r}",
-                           param="logit_bias", code="invalid_value")
-        bias[(int(key),)] = float(value)
-    return bias
-
-
-def sampling_kwargs(req: Common, device: torch.device, index: int = 0) -> dict[str, Any]:
-    """OpenAI sampling parameters -> generate() kwargs. temperature 0 -> greedy; default 1 (OpenAI's). Penalties
-    (``presence_penalty``, ``frequency_penalty``, vLLM's ``repetition_penalty``) and ``logit_bias`` in either mode.
-    ``index``: which of the request's ``n`` completions (with a ``seed``, completion i draws from seed + i)."""
-    penalties = {name: value for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-                 if (value := getattr(req, name)) is not None}
-    if (bias := token_bias(req)) is not None:
-        penalties["sequence_bias"] = bias
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if temperature == 0:
-        return {"do_sample": False, **penalties}
-    kwargs: dict[str, Any] = {"do_sample": True, "temperature": temperature, **penalties,
-                              "top_p": 1.0 if req.top_p is None else req.top_p,
-                              "top_k": 0 if req.top_k in (None, -1) else req.top_k}
-    if req.seed is not None:
-        kwargs["generator"] = torch.Generator(device=device).manual_seed(req.seed + index)
-    return kwargs

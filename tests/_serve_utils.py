@@ -105,9 +105,13 @@ def _log_path(port: int) -> str:
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
-    """The value of one sample in Prometheus text (0.0 when absent)."""
+    """The value of one sample in Prometheus text (0.0 when absent); its ``model_name`` label (every sample's, as
+    vLLM's) left out of the comparison."""
+    import re
+
     key = f"{name}{{{labels}}}" if labels else name
     for line in text.splitlines():
+        line = re.sub(r'(,?)model_name="[^"]*"(,?)', lambda m: "," if m[1] and m[2] else "", line).replace("{}", "")
         if line.startswith(key + " "):
             return float(line.split()[-1])
     return 0.0

@@ -78,7 +78,8 @@ def test_masks_use_each_nodes_path():
 
 def _eos_at(target, prompt, k: int) -> int:
     """A token plain greedy decoding emits as its k-th new token (made the EOS id by the caller)."""
-    return int(target.generate(prompt, max_new_tokens=k + 1, do_sample=False, eos_token_id=None)[0, prompt.shape[1] + k])
+    out = target.generate(prompt, max_new_tokens=k + 1, do_sample=False, eos_token_id=None)
+    return int(out[0, prompt.shape[1] + k])
 
 
 @pytest.mark.parametrize("heads", ["random", "oracle"])

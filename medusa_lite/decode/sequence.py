@@ -132,8 +132,9 @@ class Sequence:
 
     def processed(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """logits [N, V] at the nodes of a tree (``tokens`` [N], ``ancestors`` [N, N]) after each node's own prefix's
-        penalties and masks (:func:`~medusa_lite.sampling.penalized_logits`, :func:`~medusa_lite.sampling.masked_logits`),
-        as plain decoding processes them at the step that reaches the node; unchanged without either."""
+        penalties and masks (:func:`~medusa_lite.sampling.penalized_logits`,
+        :func:`~medusa_lite.sampling.masked_logits`), as plain decoding processes them at the step that reaches the node;
+        unchanged without either."""
         if self.penalties.active:
             logits = self.penalized(logits, tokens, ancestors)
         if not self.masks.active:
