@@ -114,7 +114,8 @@ def test_the_schedule_runs_at_the_speed_of_the_last_run_kept(tmp_path):
 
     base = SimpleNamespace(micro_batch_size=2, grad_accum=2, seq_len=100, warmup_steps=1, data="sharegpt[0:9]",
                            head_type="eagle3")
-    args = SimpleNamespace(minutes=10, output_dir="out", threads=None, extra=("lr=1e-5",), warm_lr=3e-4)
+    args = SimpleNamespace(minutes=10, output_dir="out", threads=None, extra=("lr=1e-5",), warm_lr=3e-4, device="cpu",
+                           target=None, revision=None)
     runs = [{"positions_per_s": 40.0}, {"positions_per_s": 10.0, "kept": False}]  # a discarded larger drafter
     ledger = {"data": [], "eval": None, "runs": runs}
     fresh = train_overrides(tmp_path, ledger, args, base)

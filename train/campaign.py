@@ -36,7 +36,7 @@ from pathlib import Path
 from statistics import fmean
 
 from medusa_lite.config import CONFIG_NAME
-from medusa_lite.settings import Names, SettingsParser, option
+from medusa_lite.settings import Names, SettingsParser, TargetOptions, option
 
 LEDGER = "ledger.json"
 STAGES = ("status", "data", "eval", "train", "all")
@@ -44,14 +44,14 @@ DEFAULT_POSITIONS_PER_S = 80  # EAGLE-3, one AMD EPYC (AVX2) core, fp32, no feat
 
 
 @dataclass
-class CampaignSettings:
-    """``medusa-lite campaign STAGE`` settings: these defaults < ``--config FILE`` < flags."""
+class CampaignSettings(TargetOptions):
+    """``medusa-lite campaign STAGE`` settings: these defaults < ``--config FILE`` < flags. The target options are the
+    data's (``dtype``: the answers'; bf16 only where the hardware runs it natively) and the training's target."""
 
     root: str = option("campaign", "the campaign's directory (committed)")
     minutes: float = option(60.0, "wall-time budget of this data or train run")
     threads: int | None = option(1, "torch threads (1 leaves the other cores free)")
     # data
-    target: str | None = option(None, "distill-data --target (default: the bundled default target)")
     prompts: str = option("sharegpt", "distill-data --prompts: where the prompts come from")
     chunk: int = option(350, "prompts per data chunk")
     max_chunks: int | None = option(None, "data: stop after this many chunks (finished or not) even with time left")
@@ -60,7 +60,6 @@ class CampaignSettings:
     seed: int = option(0, "seed of the prompt shuffle (fixed for a campaign: the ledger refuses another)")
     eval_start: int = option(17000, "prompts from here on are reserved for the held-out set")
     eval_prompts: int = option(210, "prompts of the held-out set")
-    dtype: str = option("fp32", "distill-data --dtype (bf16 only where the CPU runs it natively)")
     batch_size: int = option(32, "distill-data --batch-size")
     # train
     train_config: str = option("smollm2-135m-eagle3", "training config (a shipped name or a YAML path)")
@@ -143,8 +142,7 @@ def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: floa
             "--batch-size", str(args.batch_size)]
     if args.threads:
         argv += ["--threads", str(args.threads)]
-    if args.target:
-        argv += ["--target", args.target]
+    argv += target_flags(args) + ["--device", str(args.device)]
     result = distill_data.main(argv + ["--time-limit-minutes", f"{minutes:.1f}"])
     committed.parent.mkdir(parents=True, exist_ok=True)
     committed.write_bytes(gzip.compress(work.read_bytes(), mtime=0))
@@ -157,6 +155,11 @@ def distill_chunk(root: Path, entry: dict, args: CampaignSettings, minutes: floa
                           "answer_tokens": result["answer_tokens"], "seconds": result["seconds"],
                           "tokens_per_s": round(result["answer_tokens"] / max(result["seconds"], 1e-9), 1)})
     return result.get("interrupted", False)
+
+
+def target_flags(args: CampaignSettings) -> list[str]:
+    """The target as the data and training commands are told it (what the campaign was told, nothing more)."""
+    return (["--target", args.target] if args.target else []) + (["--revision", args.revision] if args.revision else [])
 
 
 def run_data(root: Path, ledger: dict, args: CampaignSettings) -> None:
@@ -212,7 +215,8 @@ def train_overrides(root: Path, ledger: dict, args: CampaignSettings, base) -> l
     # no feature cache: a machine sees each token about once per run, and the cache (4.6 KB a token) is neither
     # committed nor kept, so computing it up front would cost more than the forward each step does
     out = [f"data={','.join(chunks + [base.data])}", f"output_dir={args.output_dir}", f"max_steps={steps}",
-           f"time_limit_minutes={args.minutes}", "cache_features=false"]
+           f"time_limit_minutes={args.minutes}", "cache_features=false", f"device={args.device}"]
+    out += [f"{flag.removeprefix('--')}={value}" for flag, value in zip(*[iter(target_flags(args))] * 2)]
     if ledger["eval"] and ledger["eval"]["records"]:
         out.append(f"eval_data={root / ledger['eval']['file']}")
     if (root / base.head_type / CONFIG_NAME).is_file():
