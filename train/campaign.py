@@ -66,7 +66,8 @@ class CampaignSettings(TargetOptions):
     warm_lr: float = option(3e-4, "peak learning rate of a run that warm-starts from the committed drafter (the "
                                   "config's is a fresh drafter's; runs 13/14 side by side: 3e-4 beat 1e-3)")
     extra: Names = option(Names(()), "further train overrides, key=value (after the campaign's own: they win)")
-    output_dir: str = option("runs/campaign/train", "the training run's scratch directory (checkpoints, features)")
+    output_dir: str | None = option(None, "the training run's scratch directory (checkpoints, features); none: "
+                                          "runs/<the root's name>/train")
     data_share: float = option(0.5, "all: the share of --minutes for the held-out set and data; training gets the rest")
 
 
@@ -188,6 +189,10 @@ def scratch_dir(root: Path, stage: str) -> Path:
     return Path("runs") / root.name / stage
 
 
+def train_dir(root: Path, args: CampaignSettings) -> Path:
+    return Path(args.output_dir) if args.output_dir else scratch_dir(root, "train")
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -214,7 +219,7 @@ def train_overrides(root: Path, ledger: dict, args: CampaignSettings, base) -> l
                 2 * base.warmup_steps)
     # no feature cache: a machine sees each token about once per run, and the cache (4.6 KB a token) is neither
     # committed nor kept, so computing it up front would cost more than the forward each step does
-    out = [f"data={','.join(chunks + [base.data])}", f"output_dir={args.output_dir}", f"max_steps={steps}",
+    out = [f"data={','.join(chunks + [base.data])}", f"output_dir={train_dir(root, args)}", f"max_steps={steps}",
            f"time_limit_minutes={args.minutes}", "cache_features=false", f"device={args.device}"]
     out += [f"{flag.removeprefix('--')}={value}" for flag, value in zip(*[iter(target_flags(args))] * 2)]
     if ledger["eval"] and ledger["eval"]["records"]:
@@ -255,7 +260,7 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
 
     base = T.build_config(args.train_config, list(args.extra))
     overrides = train_overrides(root, ledger, args, base)
-    marker = Path(args.output_dir) / "campaign-run.json"
+    marker = train_dir(root, args) / "campaign-run.json"
     if marker.is_file():  # a run this machine did not finish: its checkpoint resumes under its own settings
         overrides = resumed_overrides(json.loads(marker.read_text()), args.threads)
     marker.parent.mkdir(parents=True, exist_ok=True)
@@ -274,7 +279,7 @@ def run_train(root: Path, ledger: dict, args: CampaignSettings) -> None:
     else:
         print(f"campaign: held-out top-1 {ev.get('top1')} is below the committed drafter's: it stays; the run is "
               f"recorded, its heads left in {result['heads_dir']}")
-    shutil.rmtree(Path(args.output_dir) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
+    shutil.rmtree(train_dir(root, args) / "checkpoints", ignore_errors=True)  # finished: the next run warm-starts
     marker.unlink()
     stats = result["stats"]
     ledger["runs"].append({"date": time.strftime("%Y-%m-%d"), "machine": hardware_summary(),
