@@ -314,7 +314,7 @@ def test_the_learning_rate_decays_by_the_time_limit_when_the_steps_would_not():
 def test_resume_after_a_stop_ends_at_the_planned_step_with_the_same_data_order(material, tmp_path):
     common = [f"target={material['target']}", f"data={material['data']}", "precision=fp32",
               "seq_len=32", "micro_batch_size=4", "max_steps=6", "save_every=2", "log_every=1", "progress=false",
-              "eval_samples=4", "lr=1e-2", "warmup_steps=1"]
+              "eval_samples=4", "lr=1e-2", "warmup_steps=1", "accept_prompts=2", "accept_tokens=16"]
     main([*common, f"output_dir={tmp_path / 'full'}"])
     partial = main([*common, f"output_dir={tmp_path / 'cut'}", "max_steps_this_run=3"])  # the "crash"
     assert partial["stats"]["step"] == 3 and not (tmp_path / "cut" / "heads").exists()

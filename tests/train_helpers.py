@@ -69,7 +69,7 @@ def write_config(path: Path, target: Path, data: Path, out: Path, **overrides) -
     cfg = {"target": str(target), "data": str(data), "max_samples": None, "eval_samples": 8, "max_doc_len": 128,
            "seq_len": 32, "micro_batch_size": 4, "max_steps": 4, "warmup_steps": 1, "lr": 1e-2,
            "precision": "fp32", "save_every": 2, "log_every": 1, "output_dir": str(out), "progress": False,
-           "threads": 1}
+           "threads": 1, "accept_prompts": 2, "accept_tokens": 16}
     cfg.update(overrides)
     import yaml
 

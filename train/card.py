@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -33,6 +34,22 @@ def launch_command(rt: Runtime, argv: list[str]) -> str:
     if "medusa_lite.train.train" in original:
         return " ".join(["python -m medusa_lite.train.train", *args])
     return " ".join(["medusa-lite train", *args])
+
+
+def acceptance_lines(p: dict[str, Any]) -> str:
+    """The card's acceptance length: tokens per verify step in the real decoding loop, which heads were kept, and the
+    evaluations they were chosen from."""
+    ev = p.get("eval", {})
+    if "accept_length" not in ev:
+        return ""
+    history = ", ".join(f"{h['step']}: {h['accept_length']:.3f}" for h in p.get("eval_history", [])
+                        if h.get("accept_length") is not None)
+    return (f"\nAcceptance length: **{ev['accept_length']:.3f} tokens per verify step** (accepted + 1) in "
+            f"medusa_lite's verify loop on {ev['accept_prompts']} held-out prompts x {ev['accept_tokens']} new tokens, "
+            f"greedy, {ev.get('accept_dtype', '')}, tree `{json.dumps(ev['accept_tree'])}` without prompt lookup or "
+            "hardware fit (what `medusa-lite bench --no-fit` counts as tokens per forward). These heads are step "
+            f"{ev.get('heads_step', p['steps'])}'s, the best acceptance length of the run's evaluations (step: tokens "
+            f"per step): {history}.\n")
 
 
 def model_card(p: dict[str, Any]) -> str:
@@ -73,6 +90,7 @@ positions after the target's own next token{', reading the true tokens before it
 | head | top-1 | top-5 | sampled acceptance (T = 1) |
 |---:|---:|---:|---:|
 {rows}
+{acceptance_lines(p)}
 
 The full training config is `training.config` in `medusa_config.json`.
 """

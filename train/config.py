@@ -38,6 +38,14 @@ class TrainConfig(TargetOptions):
     eval_data: str | None = option(None, "held-out documents from this .json / .jsonl file (the first eval_samples "
                                          "after the seeded shuffle; none: from data): a metric that stays comparable "
                                          "when data grows")
+    eval_every: int | None = option(None, "evaluate on the held-out documents every N steps (none: at every "
+                                          "checkpoint, save_every; 0: at the end only); the heads of the evaluation "
+                                          "with the best acceptance length are the run's result")
+    accept_prompts: int = option(8, "held-out prompts each evaluation decodes to measure the acceptance length "
+                                    "(tokens per verify step; 0: not measured, the final heads are the result)")
+    accept_tokens: int = option(64, "new tokens decoded per prompt for the acceptance length")
+    accept_tree: str | None = option(None, "tree the acceptance length is measured with (a JSON file or a shipped "
+                                           "name); none: the heads' stored tree, what bench --no-fit decodes with")
     max_doc_len: int = option(1024, "documents are truncated to this many tokens")
     seq_len: int = option(256, "training window length")
     windows: Literal["stream", "document"] = option(
@@ -65,7 +73,10 @@ class TrainConfig(TargetOptions):
                                            "decoding read N lm_head rows instead of all; stored in the heads)")
     threads: int | None = option(None, "torch.set_num_threads (1 is fastest on a busy shared CPU)")
     # engine
-    deepspeed: str = option("zero2", "DeepSpeed JSON: a path or a shipped name (zero2, zero3)")
+    deepspeed: str = option("zero2", "DeepSpeed JSON of the drafter's engine: a path or a shipped name (zero2, zero3)")
+    shard_target: bool = option(False, "partition the frozen target's decoder layers across the ranks (DeepSpeed "
+                                       "ZeRO-3: each holds 1/world of them; embeddings and lm_head whole), for a "
+                                       "target no one device holds; needs cache_features")
     # run
     output_dir: str = option("runs/heads", "checkpoints, features, log and the trained heads go here")
     save_every: int = option(100, "checkpoint every N steps (0: only at the end); the newest keep_checkpoints stay")
@@ -88,6 +99,14 @@ class TrainConfig(TargetOptions):
         for name in ("num_heads", "num_layers", "seq_len", "max_steps", "micro_batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("accept_prompts", "eval_every"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.accept_tokens < 1:
+            raise ValueError(f"accept_tokens must be >= 1, got {self.accept_tokens}")
+        if self.shard_target and (not self.cache_features or self.adapter):
+            raise ValueError("shard_target needs cache_features=true (training reads the target's cached features) "
+                             "and no adapter (a LoRA merge needs the whole target)")
         if self.draft_vocab is not None and not self.share_lm_head:
             raise ValueError("draft_vocab needs share_lm_head=True (per-head lm_heads span the full vocabulary)")
         if self.head_type != "eagle3" and (self.aux_layers is not None or self.intermediate_size is not None):

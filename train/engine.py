@@ -118,12 +118,14 @@ class Engine:
         path, state = self.module.load_checkpoint(str(directory))
         return state if path is not None else None
 
-    def gathered(self):
-        """Context in which the full head parameters are materialised (ZeRO-3 partitions them)."""
+    def gathered(self, modify: bool = False):
+        """Context in which the full head parameters are materialised (ZeRO-3 partitions them); ``modify``: what
+        rank 0 writes into them is every rank's after it."""
         import contextlib
 
         if self.zero_stage == 3:
             import deepspeed
 
-            return deepspeed.zero.GatheredParameters(list(self.drafter.parameters()), modifier_rank=None)
+            return deepspeed.zero.GatheredParameters(list(self.drafter.parameters()),
+                                                     modifier_rank=0 if modify else None)
         return contextlib.nullcontext()

@@ -7,13 +7,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from medusa_lite.drafters import drafter_features
 from medusa_lite.train import data as D
 
 from .config import TrainConfig
-from .runtime import Runtime, barrier, log0
+from .runtime import Runtime, all_reduce_host, barrier, log0
 
 
 def feature_layers(drafter) -> tuple[int, ...]:
@@ -40,38 +39,50 @@ def target_features(target, input_ids: torch.Tensor, layers: tuple[int, ...],
     return drafter_features(out.hidden_states, layers)
 
 
+def length_batches(slices: list[tuple[int, int]], docs: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """``docs`` (indices into ``slices``) sorted by length and cut into batches of about ``tokens_per_batch`` padded
+    tokens (a document longer than that is a batch of its own)."""
+    docs = sorted(docs, key=lambda d: slices[d][1] - slices[d][0])
+    batches: list[list[int]] = []
+    for d in docs:
+        length = slices[d][1] - slices[d][0]  # the longest so far: the batch pads to it
+        if batches and length * (len(batches[-1]) + 1) <= tokens_per_batch:
+            batches[-1].append(d)
+        else:
+            batches.append([d])
+    return batches
+
+
 @torch.no_grad()
 def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, ...] = (-1,), *,
                      tokens_per_batch: int = 4096, desc: str = "features", progress: bool = True,
-                     known: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+                     known: dict[int, torch.Tensor] | None = None, lockstep: bool = False) -> torch.Tensor:
     """Hidden states of ``layers`` [N, len(layers) * H] (bf16) of every document, each run with its own full context.
 
     Documents are length-bucketed (sorted) into batches of about ``tokens_per_batch`` tokens; with
     several ranks each computes a share and the shares are all-gathered. ``known``: features of documents
     computed before (document index -> [n, F], :func:`reusable_features`), copied instead of computed.
+    ``lockstep``: every rank runs as many forwards (a rank out of documents runs one token), as a target whose
+    layers are partitioned across the ranks needs (each forward gathers them: :mod:`medusa_lite.train.shard`).
     """
     from tqdm import tqdm
 
     slices = data.doc_slices()
     known = known or {}
-    mine = [d for d in range(len(slices)) if d not in known][rt.rank::rt.world]
-    mine.sort(key=lambda i: slices[i][1] - slices[i][0])
+    todo = [d for d in range(len(slices)) if d not in known]
+    batches = length_batches(slices, todo[rt.rank::rt.world], tokens_per_batch)
+    rounds = max(len(length_batches(slices, todo[r::rt.world], tokens_per_batch)) for r in range(rt.world)) \
+        if lockstep else len(batches)
     hidden = torch.zeros(int(data.ids.numel()), len(layers) * target.config.get_text_config().hidden_size,
                          dtype=torch.bfloat16)
-    bar = tqdm(total=sum(slices[i][1] - slices[i][0] for i in mine), desc=desc, unit="tok",
+    bar = tqdm(total=sum(slices[d][1] - slices[d][0] for batch in batches for d in batch), desc=desc, unit="tok",
                disable=not (progress and rt.rank == 0), mininterval=5)
-    i = 0
-    while i < len(mine):
-        longest = slices[mine[i]][1] - slices[mine[i]][0]
-        batch = [mine[i]]
-        i += 1
-        while i < len(mine):
-            length = slices[mine[i]][1] - slices[mine[i]][0]
-            if length * (len(batch) + 1) > tokens_per_batch:
-                break
-            batch.append(mine[i])
-            longest = length
-            i += 1
+    for i in range(rounds):
+        if i >= len(batches):
+            target_features(target, data.ids[:1][None].to(rt.device), layers)
+            continue
+        batch = batches[i]
+        longest = max(slices[d][1] - slices[d][0] for d in batch)
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         mask = torch.zeros(len(batch), longest, dtype=torch.long)
         for row, d in enumerate(batch):
@@ -86,7 +97,7 @@ def compute_features(target, data: D.TokenData, rt: Runtime, layers: tuple[int, 
     bar.close()
     if rt.world > 1:  # every rank computed distinct documents (rows of others are zero): sum = union
         gathered = hidden.float()
-        dist.all_reduce(gathered)
+        all_reduce_host(gathered, rt)
         hidden = gathered.to(torch.bfloat16)
     for d, features in known.items():
         s, e = slices[d]
@@ -127,7 +138,7 @@ def cached_features(cfg: TrainConfig, model, data: D.TokenData, rt: Runtime, nam
         del state
     t0 = time.time()
     hidden = compute_features(model.base_model, data, rt, tuple(layers.tolist()), desc=f"features[{name}]",
-                              progress=cfg.progress, known=known)
+                              progress=cfg.progress, known=known, lockstep=cfg.shard_target)
     log0(rt, f"features[{name}]: {hidden.shape[0]} tokens in {time.time() - t0:.0f}s"
              + (f", {len(known)} of {data.num_docs} documents reused from {path}" if known else ""))
     del known

@@ -15,10 +15,11 @@ from medusa_lite.drafters import drafter_features, num_positions
 from medusa_lite.train import data as D
 from medusa_lite.train.loss import agreement, sampled_acceptance
 
+from .acceptance import BestHeads, acceptance_length, describe
 from .config import TrainConfig
 from .engine import Engine
 from .features import split_features
-from .runtime import Runtime, log0
+from .runtime import Runtime, all_reduce_host, log0
 
 
 def choose_draft_vocabulary(cfg: TrainConfig, model, data: D.TokenData) -> None:
@@ -153,22 +154,65 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
                 hits[k] += got[k]
             accepted += sampled_acceptance(head_logits.float(), teacher.float(), weights.cpu(), vocab_ids)
             count += weights[:, :, :n].sum((1, 2)).cpu()
-    if rt.world > 1:
-        for t in (*hits.values(), count, accepted):
-            dist.all_reduce(t)
+    for t in (*hits.values(), count, accepted):
+        all_reduce_host(t, rt)
     c = count.clamp(min=1)
     return {"eval_positions": int(count[0]), "top1": [round(float(x), 4) for x in hits[1] / c],
             "top5": [round(float(x), 4) for x in hits[5] / c],
             "accept_t1": [round(float(x), 4) for x in accepted / c]}
 
 
-def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: Runtime) -> dict[str, Any]:
-    """The training loop with resume, checkpoints, JSONL log and progress bar; returns run statistics."""
+class Evaluations:
+    """The held-out evaluations of a run: per-head agreement (:func:`evaluate`) and the acceptance length in the
+    real verify loop (:func:`~medusa_lite.train.acceptance.acceptance_length`), every ``eval_every`` steps and at the
+    end; the best by acceptance length is kept (:class:`~medusa_lite.train.acceptance.BestHeads`) and is what the
+    run writes (:meth:`result`)."""
+
+    def __init__(self, cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden, prompts, rt: Runtime,
+                 shard=None):
+        self.cfg, self.model, self.engine, self.data, self.hidden, self.rt = cfg, model, engine, data, hidden, rt
+        self.prompts, self.shard = prompts, shard
+        self.every = cfg.save_every if cfg.eval_every is None else cfg.eval_every
+        self.best = BestHeads(cfg, rt)
+        self.last: tuple[int, dict[str, Any]] | None = None
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or bool(self.every and step % self.every == 0)
+
+    def __call__(self, step: int) -> dict[str, Any]:
+        """Evaluate the drafter as it is at ``step``; keep it if it is the best so far."""
+        metrics = evaluate(self.cfg, self.model, self.engine, self.data, self.hidden, self.rt)
+        metrics |= acceptance_length(self.cfg, self.model, self.engine, self.prompts, self.rt, self.shard)
+        kept = self.best.offer(step, metrics, self.model, self.engine)
+        log0(self.rt, f"eval at step {step}: {describe(metrics)}" + (" (best so far)" if kept else ""))
+        self.last = (step, metrics)
+        return metrics
+
+    def result(self, step: int) -> dict[str, Any]:
+        """The metrics of the heads the run writes, loaded into the drafter: the best evaluation's by acceptance length
+        (the final step's when none was measured), with the final step's as ``final`` when they differ."""
+        final = self.last[1] if self.last is not None and self.last[0] == step else self(step)
+        best = self.best.load_into(self.model, self.engine)
+        if best is None or best["step"] == step:
+            log0(self.rt, f"the heads written are the final step's ({step}): {describe(final)}")
+            return {**final, "heads_step": step}
+        log0(self.rt, f"the heads written are step {best['step']}'s, the best acceptance length of "
+                      f"{len(self.best.history)} evaluations ({best['accept_length']:.3f} tokens/step; the final step "
+                      f"{step}: {final.get('accept_length', 0):.3f})")
+        return {**best["metrics"], "heads_step": best["step"], "final": {"step": step, **final}}
+
+
+def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: Runtime,
+        evals: Evaluations | None = None) -> dict[str, Any]:
+    """The training loop with resume, checkpoints, held-out evaluations (``evals``), JSONL log and progress bar;
+    returns run statistics."""
     from tqdm import tqdm
 
     out = Path(cfg.output_dir)
     ckpt_dir = out / "checkpoints"
     state, proj = _resume(cfg, model, engine, train_data, ckpt_dir, rt)
+    if evals is not None:
+        evals.best.restore(state)
     step = int(state["step"]) if state else 0
     tokens = int(state["tokens"]) if state else 0
     elapsed = float(state["train_seconds"]) if state else 0.0
@@ -189,12 +233,15 @@ def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: R
         log.add(stats)
         bar.update(1)
         timed_out = engine.clock.fraction() > 1.0  # the same clock the learning rate decays by
-        if step % cfg.log_every == 0 or step == stop or timed_out:
-            record = log.write(step, round(step / batches.steps_per_epoch, 3), engine.lr(), tokens)
+        # before the checkpoint, so that it holds the best evaluation so far
+        metrics = evals(step) if evals is not None and evals.due(step, step >= cfg.max_steps or timed_out) else None
+        if step % cfg.log_every == 0 or step == stop or timed_out or metrics:
+            record = log.write(step, round(step / batches.steps_per_epoch, 3), engine.lr(), tokens, metrics)
             bar.set_postfix(loss=record["loss"][0], top1=record["top1"][0])
         if (cfg.save_every and step % cfg.save_every == 0) or step == stop or timed_out:
             engine.save_checkpoint(ckpt_dir, step, {"step": step, "tokens": tokens,
-                                                    "train_seconds": elapsed + time.time() - t_start},
+                                                    "train_seconds": elapsed + time.time() - t_start,
+                                                    **(evals.best.state() if evals is not None else {})},
                                    keep=cfg.keep_checkpoints)
         if timed_out:
             log0(rt, f"time limit of {cfg.time_limit_minutes} min reached at step {step}")
@@ -239,7 +286,10 @@ class TrainLog:
         self.stats = stats if self.stats is None else {k: self.stats[k] + stats[k] for k in stats}
         self.steps += 1
 
-    def write(self, step: int, epoch: float, lr: float, tokens: int) -> dict[str, Any]:
+    def write(self, step: int, epoch: float, lr: float, tokens: int,
+              metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The record of the steps since the last one; ``metrics``: the held-out evaluation made at ``step``, beside
+        the training top-1 (its ``eval`` field)."""
         dt = time.time() - self.t0
         c = self.stats["count"].clamp(min=1)
         record = {"step": step, "epoch": epoch,
@@ -248,6 +298,8 @@ class TrainLog:
                   "lr": lr, "tokens": tokens,
                   "positions_per_s": round(self.steps * self.positions_per_step / dt, 1),
                   "loss_tokens_per_s": round(float(self.stats["count"][0]) / dt, 1)}
+        if metrics:
+            record["eval"] = {k: v for k, v in metrics.items() if k in ("accept_length", "top1", "accept_t1")}
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()

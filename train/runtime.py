@@ -72,3 +72,18 @@ def leave(rt: Runtime) -> None:
 def barrier(rt: Runtime) -> None:
     if rt.world > 1:
         dist.barrier()
+
+
+def all_reduce_host(tensor: torch.Tensor, rt: Runtime, chunk: int = 1 << 26) -> None:
+    """Sum a CPU ``tensor`` over the ranks in place. NCCL reduces CUDA tensors only: on a GPU it goes through the
+    device ``chunk`` elements at a time (a feature cache can be larger than a device's memory)."""
+    if rt.world == 1:
+        return
+    if rt.device.type == "cpu":
+        dist.all_reduce(tensor)
+        return
+    flat = tensor.view(-1)
+    for i in range(0, flat.numel(), chunk):
+        part = flat[i: i + chunk].to(rt.device)
+        dist.all_reduce(part)
+        flat[i: i + chunk].copy_(part.cpu())

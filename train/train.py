@@ -24,12 +24,14 @@ from medusa_lite.machine import hardware_summary
 from medusa_lite.settings import SettingsParser
 from medusa_lite.train import data as D
 
+from .acceptance import held_out_prompts
 from .card import launch_command, save_heads
 from .config import TrainConfig, resolve_precision
 from .engine import Engine
 from .features import cached_features
-from .loop import choose_draft_vocabulary, evaluate, run, trained_token_counts
+from .loop import Evaluations, choose_draft_vocabulary, run, trained_token_counts
 from .runtime import Runtime, init_runtime, leave, log0
+from .shard import ShardedTarget, partitioned_loading
 
 
 def settings_parser() -> SettingsParser:
@@ -50,8 +52,11 @@ def build_model(cfg: TrainConfig, rt: Runtime):
     from medusa_lite.drafters import config_class
     from medusa_lite.targets import DEFAULT_TARGET, load_target
 
-    target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=rt.device, adapter=cfg.adapter,
-                                    revision=cfg.revision)
+    with partitioned_loading(cfg, rt):  # shard_target: no rank ever holds the whole target
+        target, tokenizer = load_target(cfg.target, dtype=cfg.dtype, device=rt.device, adapter=cfg.adapter,
+                                        revision=cfg.revision)
+    if cfg.shard_target:
+        ShardedTarget(target, rt)  # its layers stay partitioned; what the drafter reads is made whole
     shape = {"aux_layers": list(cfg.aux_layers)} if cfg.aux_layers else {}
     if cfg.intermediate_size:
         shape["intermediate_size"] = cfg.intermediate_size
@@ -146,13 +151,27 @@ def start_drafter(cfg: TrainConfig, model, train_data: D.TokenData, rt: Runtime)
         choose_draft_vocabulary(cfg, model, train_data)
 
 
+def report_shard(model, rt: Runtime) -> dict[str, Any] | None:
+    """With ``shard_target``: every rank's measured share of the target's parameters, logged (None otherwise)."""
+    shard = ShardedTarget.of(model.base_model)
+    if shard is None:
+        return None
+    report = shard.report(model.base_model)
+    log0(rt, f"shard_target: the target's {report['parameters']} parameters, held per rank "
+             f"{report['held_per_rank']} (fractions {report['fraction_per_rank']}); a layer's forward gathers at most "
+             f"{report['largest_layer_fraction']:.1%} more")
+    return report
+
+
 def _draft_vocab_size(cfg: TrainConfig, target) -> int | None:
     vocab = target.get_output_embeddings().weight.shape[0]
     return cfg.draft_vocab if cfg.draft_vocab is not None and cfg.draft_vocab < vocab else None
 
 
-def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D.TokenData, dict[str, Any]]:
-    """(train, held-out) token streams and a summary of what was read."""
+def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) \
+        -> tuple[D.TokenData, D.TokenData | None, dict[str, Any], list[torch.Tensor]]:
+    """(train, held-out) token streams, a summary of what was read and the held-out prompts the acceptance length is
+    measured on."""
     records, skipped, paths = D.read_sources(cfg.data, seed=cfg.seed)
     own_eval = 0 if cfg.eval_data else cfg.eval_samples
     if cfg.max_samples is not None:
@@ -174,14 +193,15 @@ def build_data(cfg: TrainConfig, tokenizer, rt: Runtime) -> tuple[D.TokenData, D
         train = kept
     train_data = D.build_token_data(tokenizer, train, max_len=cfg.max_doc_len, num_proc=cfg.num_proc)
     eval_data = D.build_token_data(tokenizer, held, max_len=cfg.max_doc_len) if held else None
+    prompts = held_out_prompts(tokenizer, held, cfg.accept_prompts, cfg.max_doc_len)
     summary = {"data": cfg.data, "path": ",".join(map(str, paths)), "eval_data": cfg.eval_data,
                "train_docs": train_data.num_docs,
                "train_tokens": int(train_data.ids.numel()), "train_loss_tokens": train_data.num_loss_tokens,
                "eval_docs": eval_data.num_docs if eval_data else 0,
                "eval_loss_tokens": eval_data.num_loss_tokens if eval_data else 0,
-               "skipped_records": dict(skipped)}
+               "skipped_records": dict(skipped), "accept_prompts": len(prompts)}
     log0(rt, "data: " + json.dumps(summary))
-    return train_data, eval_data, summary
+    return train_data, eval_data, summary, prompts
 
 
 # ================================================================================================ main
@@ -205,20 +225,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log0(rt, "config: " + json.dumps(dataclasses.asdict(cfg)))
     # --- build
     model, tokenizer = build_model(cfg, rt)
-    train_data, eval_data, data_summary = build_data(cfg, tokenizer, rt)
+    shard_report = report_shard(model, rt)
+    train_data, eval_data, data_summary, prompts = build_data(cfg, tokenizer, rt)
     train_hidden = cached_features(cfg, model, train_data, rt, "train") if cfg.cache_features else None
     eval_hidden = cached_features(cfg, model, eval_data, rt, "eval") \
         if cfg.cache_features and eval_data else None
     start_drafter(cfg, model, train_data, rt)
     engine = Engine(cfg, model.drafter, rt)
+    evals = Evaluations(cfg, model, engine, eval_data, eval_hidden, prompts, rt,
+                        ShardedTarget.of(model.base_model)) if eval_data else None
     # --- run
-    stats = run(cfg, model, engine, train_data, train_hidden, rt)
+    stats = run(cfg, model, engine, train_data, train_hidden, rt, evals)
     if not stats["finished"]:
         log0(rt, f"stopped at step {stats['step']} of {cfg.max_steps} (max_steps_this_run); resume to finish")
         leave(rt)
         return {"stats": stats}
     # --- save
-    metrics = evaluate(cfg, model, engine, eval_data, eval_hidden, rt) if eval_data else {}
+    metrics = evals.result(stats["step"]) if evals else {}  # the best-by-acceptance heads, loaded to be saved
     log0(rt, "eval: " + json.dumps(metrics))
     provenance = {
         "base_model": model.config.base_model, "num_heads": cfg.num_heads, "num_layers": cfg.num_layers,
@@ -228,9 +251,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train_seconds": round(stats["train_seconds"], 1), "wall_seconds": round(time.time() - t0, 1),
         "positions_per_s": stats["this_run_steps"] * stats["positions_per_step"] / max(stats["this_run_seconds"], 1e-9),
         "hardware": hardware_summary(), "world_size": rt.world,
-        "engine": f"deepspeed ZeRO-{engine.zero_stage}",
+        "engine": f"deepspeed ZeRO-{engine.zero_stage}", "target_shard": shard_report,
         "command": launch_command(rt, argv), "draft_vocab_coverage": stats["draft_vocab_coverage"],
-        "eval": metrics, "config": dataclasses.asdict(cfg),
+        "eval": metrics, "eval_history": evals.best.history if evals else [], "config": dataclasses.asdict(cfg),
     }
     heads_dir = save_heads(cfg, model, engine, rt, provenance)
     log0(rt, f"saved heads to {heads_dir}")
