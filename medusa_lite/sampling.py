@@ -149,6 +149,14 @@ def penalized_logits(logits: torch.Tensor, penalties: Penalties, prompt_seen: to
     return scores
 
 
+def eos_ids(config: GenerationConfig) -> tuple[int, ...]:
+    """The config's EOS ids (``eos_token_id``: None, an id or a list of ids): the one place they are read."""
+    eos = config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
 def _token_ids(value, name: str) -> tuple[int, ...]:
     ids = tuple(value)
     if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
@@ -176,10 +184,8 @@ class TokenMasks:
         tokens (:class:`medusa_lite.decode.stopping.StopRule`). ``ValueError`` for a malformed list."""
         allowed = getattr(config, "allowed_token_ids", None)
         allowed = None if allowed is None else tuple(sorted(set(_token_ids(allowed, "allowed_token_ids"))))
-        eos = config.eos_token_id
-        eos = set(eos) if isinstance(eos, (list, tuple)) else {eos}
         words = tuple(_token_ids(w, "bad_words_ids") for w in config.bad_words_ids or ())
-        words = tuple(w for w in words if not (len(w) == 1 and w[0] in eos))
+        words = tuple(w for w in words if not (len(w) == 1 and w[0] in eos_ids(config)))
         return cls(allowed, words, config.min_new_tokens or 0, tuple(sorted(stop_ids)))
 
     @property

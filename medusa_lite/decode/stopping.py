@@ -20,17 +20,11 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from ..sampling import eos_ids
+
 # generation options of vLLM's that are not transformers' fields: extra attributes of the config (as OpenAI's penalties)
 STOP_OPTIONS = ("stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                 "spaces_between_special_tokens")
-
-
-def eos_ids(config: GenerationConfig) -> tuple[int, ...]:
-    """The config's EOS ids (``eos_token_id``: None, an id or a list of ids)."""
-    eos = config.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(int(i) for i in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 @dataclass(frozen=True)
