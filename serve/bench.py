@@ -30,6 +30,7 @@ from tqdm import tqdm
 from medusa_lite import MedusaModel
 from medusa_lite.attention import attending
 from medusa_lite.kernels import SkinnyLinears, attention_kernel, skinny_kernel
+from medusa_lite.sampling import eos_ids
 from medusa_lite.serve.bench_report import markdown, save
 from medusa_lite.serve.compare import compare
 from medusa_lite.settings import Names, SettingsParser, TargetOptions, option
@@ -97,10 +98,9 @@ def parse_args(argv: list[str] | None = None) -> BenchSettings:
 
 def generation_kwargs(args: BenchSettings, tokenizer, target) -> dict:
     """Decoding options shared by every method: greedy, or pure sampling at the given temperature."""
-    eos = target.generation_config.eos_token_id
     pad = target.generation_config.pad_token_id
     if pad is None:
-        pad = eos if isinstance(eos, int) else (eos[0] if eos else tokenizer.pad_token_id)
+        pad = next(iter(eos_ids(target.generation_config)), tokenizer.pad_token_id)
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad)
     if args.temperature == 0:
         return kwargs | dict(do_sample=False)
