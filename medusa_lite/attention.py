@@ -61,7 +61,10 @@ def _switch(target) -> bool:
     kind = type(target)
     if _SWITCHES.get(kind, True):
         _register()
-        target.set_attn_implementation(NAME)
+        try:
+            target.set_attn_implementation(NAME)
+        except (ValueError, ImportError, KeyError):  # a check of transformers' refused it: decode as the model is
+            target.set_attn_implementation("sdpa")
         _SWITCHES[kind] = target.config._attn_implementation == NAME
     return _SWITCHES[kind]
 
