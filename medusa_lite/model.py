@@ -10,6 +10,7 @@ from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
 
 from ._hf import context_length, output_weight, resolve_generation_config, text_config
+from .constraints import CompiledGrammar, Grammar, compile_grammar
 from .kv import check_model
 from .decode import (STOP_OPTIONS, BatchGuards, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch,
                      SpeedGuard, eos_ids, make_plan, run_batch)
@@ -201,6 +202,7 @@ class MedusaModel(nn.Module):
         sampled_drafts: bool = True,
         tag: Any = None,
         logprobs: int | None = None,
+        grammar: dict | Grammar | CompiledGrammar | None = None,
         **kwargs,
     ) -> list[Sequence]:
         """Prompts ([L] long each, no padding) made ready to decode in a :class:`~medusa_lite.decode.SpeculativeBatch`
@@ -218,7 +220,10 @@ class MedusaModel(nn.Module):
             raise ValueError("streamers support one sequence only (num_return_sequences=1)")
         options = dict(streamer=streamer, stopping_criteria=stopping_criteria, tokenizer=tokenizer, tree=tree,
                        fit=fit, generator=generator, sampled_drafts=sampled_drafts, tag=tag, logprobs=logprobs)
-        return [self._sequence(prompt, config, **options) for prompt in prompts for _ in range(copies)]
+        if grammar is not None:  # compiled once, a fresh matcher per sequence; ending at the target's EOS ids
+            grammar = compile_grammar(grammar, tokenizer, output_weight(self.base_model).shape[0], eos_ids(config))
+        return [self._sequence(prompt, config, grammar=None if grammar is None else grammar.state(), **options)
+                for prompt in prompts for _ in range(copies)]
 
     def prepare_config(self, generation_config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
         """transformers' generation config for these arguments (the target's defaults under them), checked:
@@ -240,7 +245,7 @@ class MedusaModel(nn.Module):
 
     def _sequence(self, prompt: torch.Tensor, config: GenerationConfig, *, streamer=None, stopping_criteria=None,
                   tokenizer=None, tree=None, fit=None, generator=None, sampled_drafts=True, tag=None,
-                  logprobs=None) -> Sequence:
+                  logprobs=None, grammar=None) -> Sequence:
         """One of :meth:`sequences` (``config`` is shared by all of them: read, never written)."""
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt.numel()
         if max_new is None or max_new < 1:
@@ -262,7 +267,7 @@ class MedusaModel(nn.Module):
             plan = self.plan(tree, sampler)
         on_step = plan.record if isinstance(plan, FittedPlan) else None
         return Sequence(prompt, config, plan, max_new, criteria, generator, streamer, on_step, plan_for, tag,
-                        logprobs=logprobs, tokenizer=tokenizer)
+                        logprobs=logprobs, tokenizer=tokenizer, grammar=grammar)
 
     def decoder(self, sample: bool = False, max_step_tokens: int | None = None, fit: bool | None = None,
                 solo: bool = False) -> SpeculativeBatch:
@@ -291,7 +296,9 @@ class MedusaModel(nn.Module):
         Supported: greedy or sampling with temperature / top_k / top_p / min_p, ``repetition_penalty`` (transformers'),
         ``presence_penalty`` / ``frequency_penalty`` (OpenAI's, over the new tokens), ``sequence_bias`` (single tokens),
         ``bad_words_ids``, ``min_new_tokens`` and vLLM's ``allowed_token_ids``, each applied at every tree node
-        from that node's own prefix,
+        from that node's own prefix, ``grammar`` (with ``tokenizer``: ``{"json_schema": schema}``, ``{"json_object":
+        True}``, ``{"regex": r}``, ``{"choice": [...]}`` or ``{"grammar": lark_or_gbnf}``; each node masked by the
+        grammar after its own path: :mod:`medusa_lite.constraints`, needs ``medusa_lite[structured]``),
         ``max_new_tokens`` / ``max_length``, ``eos_token_id``, ``stop_strings`` (with ``tokenizer``),
         ``stopping_criteria`` and vLLM's ``stop_token_ids`` / ``ignore_eos`` / ``include_stop_str_in_output`` /
         ``skip_special_tokens`` / ``spaces_between_special_tokens`` (one stop rule: :mod:`medusa_lite.decode.stopping`;

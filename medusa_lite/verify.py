@@ -59,6 +59,21 @@ def accept(tokens: torch.Tensor, choice: torch.Tensor, paths: torch.Tensor) -> t
     return nodes, choice[nodes[-1]]
 
 
+def greedy_walk(tokens: torch.Tensor, parents: list[int], choice: Callable[[int], int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accept` asking for the target's choice only at the nodes it reaches: ``choice(node)``, the root first,
+    then each accepted child (for choices that cost something per node, e.g. a grammar's mask). tokens: [N] node
+    tokens; parents: [N] (-1 for the root, parents first). Returns (accepted nodes [a+1] long, root first; bonus [])."""
+    child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens.tolist())) if node}
+    node, path = 0, [0]
+    while True:
+        y = choice(node)
+        nxt = child.get((node, y))
+        if nxt is None:
+            return torch.tensor(path, device=tokens.device), torch.tensor(y, device=tokens.device)
+        node = nxt
+        path.append(node)
+
+
 @dataclass
 class Proposals:
     """Where drafted tokens were *sampled* rather than chosen (sampling mode, :class:`DraftSampler`).

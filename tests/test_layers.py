@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
      "medusa_lite.specbench"),
     ("medusa_lite.tree",),
     ("medusa_lite.attention",),
-    ("medusa_lite.verify", "medusa_lite.sampling", "medusa_lite.kernels"),
+    ("medusa_lite.verify", "medusa_lite.sampling", "medusa_lite.kernels", "medusa_lite.constraints"),
     ("medusa_lite.kv",),
     ("medusa_lite.config",),
     ("medusa_lite.drafters",),

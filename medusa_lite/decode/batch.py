@@ -213,13 +213,15 @@ class SpeculativeBatch:
     # ------------------------------------------------------------------ the pieces of a step
     def _draft(self, tree) -> list[Draft]:
         """Every row's draft for this step, by its own plan and depth cap; rows whose plans agree (e.g. greedy rows
-        given the same tree) are drafted together (:func:`~.plans.draft_rows`)."""
+        given the same tree) are drafted together (:func:`~.plans.draft_rows`); a constrained row's cut to its grammar
+        (:meth:`Sequence.constrain`)."""
         plans = [seq.plan_for(tree) if tree is not None and seq.plan_for is not None else seq.plan for seq in self.rows]
         with self.kernels.drafting():
             drafts = draft_rows(plans, self.state, [self._max_depth(seq) for seq in self.rows])
         if self.max_step_tokens is not None:
             drafts = [first_nodes(draft, max(1, self.max_step_tokens // len(self.rows))) for draft in drafts]
-        return drafts
+        # a row with a grammar verifies only the nodes it allows, plus the tokens it forces
+        return [seq.constrain(draft, self._max_depth(seq)) for seq, draft in zip(self.rows, drafts)]
 
     def _max_depth(self, seq: Sequence) -> int:
         """The deepest tree ``seq`` may verify: no more tokens than it has left, no position past the context."""

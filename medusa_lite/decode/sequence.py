@@ -9,10 +9,12 @@ from typing import Callable
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from ..constraints import GrammarState, masked
 from ..drafters import Draft
 from ..sampling import Penalties, TargetRows, TokenMasks, build_warpers, masked_logits, penalized_logits, target_probs
 from ..tree import TreeBuffers
 from ..verify import accept, greedy_choice, sample_choice, sample_walk
+from .constrained import WalkTree, constrain, constrained_accept
 from .plans import Plan
 from .stopping import StopRule, Stopper
 
@@ -92,6 +94,7 @@ class Sequence:
     tag: object = None                                       # the caller's handle (e.g. the server's request)
     logprobs: int | None = None                              # record emitted tokens' log-probs (+ this many top ones)
     tokenizer: object = None                                 # decodes the row's text for its stop strings
+    grammar: GrammarState | None = None                      # what the output must match (medusa_lite.constraints)
     stats: GenerationStats = field(default_factory=GenerationStats)
     error: BaseException | None = None                       # set when its streamer raised (e.g. a cancelled request)
     done: bool = False
@@ -106,6 +109,7 @@ class Sequence:
         self.masks = TokenMasks.from_config(self.config, rule.stop_ids)
         self.cache_len = 0  # this row's tokens in the target's cache (its next position)
         self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per kept token (``logprobs`` set)
+        self._walk: WalkTree | None = None  # this step's sampling walk tree, where a grammar cut the draft
 
     @property
     def new_tokens(self) -> torch.Tensor:
@@ -118,6 +122,8 @@ class Sequence:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's token at the root from logits [1, V]: argmax, or one draw from the processed distribution."""
         logits = self.processed(logits, self.prompt.new_zeros(1), torch.ones(1, 1, dtype=torch.bool))
+        if self.grammar is not None:
+            logits = masked(logits, self.grammar.allowed())
         if not self.config.do_sample:
             return greedy_choice(logits)
         return sample_choice(target_probs(logits, self.warpers), self.generator)
@@ -126,9 +132,20 @@ class Sequence:
         """logits: [N, V] at the draft's nodes -> (accepted nodes [a+1] long, root first; bonus token [] long)."""
         tokens, buffers, proposals = draft
         logits = self.processed(logits, tokens, buffers.ancestor_mask)
+        if self.grammar is not None:
+            return constrained_accept(self.grammar, self.stopper.generated, draft, self._walk, logits, self.warpers,
+                                      self.generator, self.config.do_sample)
         if not self.config.do_sample:
             return accept(tokens, greedy_choice(logits), buffers.paths)
         return sample_walk(tokens, buffers.parents, TargetRows(logits, self.warpers), proposals, self.generator)
+
+    def constrain(self, draft: Draft, max_depth: int) -> Draft:
+        """The draft this row verifies: with a grammar, the nodes it allows and the tokens it forces
+        (:func:`~.constrained.constrain`, at most ``max_depth`` deep); else ``draft``."""
+        if self.grammar is None:
+            return draft
+        draft, self._walk = constrain(draft, self.grammar, max_depth)
+        return draft
 
     def processed(self, logits: torch.Tensor, tokens: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
         """logits [N, V] at the nodes of a tree (``tokens`` [N], ``ancestors`` [N, N]) after each node's own prefix's
@@ -159,6 +176,8 @@ class Sequence:
         """Append the step's tokens (up to the stopping point) and stream them; a raising streamer ends this row only.
         logits: [len(tokens), V], the target's logits each token was chosen from (for ``logprobs``)."""
         kept, self.done = self.stopper.extend(tokens)
+        if self.grammar is not None and not self.done:
+            self.grammar.sync(self.stopper.generated)
         if self.logprobs is not None and kept:
             self.token_logprobs += token_logprobs(logits[:len(kept)], kept, self.logprobs)
         if self.streamer is not None and kept:
