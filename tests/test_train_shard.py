@@ -32,9 +32,7 @@ def material(tmp_path_factory):
     return {"target": write_target(base / "target"), "data": write_chat_jsonl(base / "chat.jsonl")}
 
 
-def test_shard_target_needs_the_feature_cache_and_no_adapter():
-    with pytest.raises(ValueError, match="cache_features"):
-        TrainConfig(shard_target=True, cache_features=False)
+def test_shard_target_takes_no_adapter():
     with pytest.raises(ValueError, match="adapter"):
         TrainConfig(shard_target=True, adapter="lora")
 
@@ -65,16 +63,19 @@ def test_a_sharded_target_computes_the_whole_targets_features_and_keeps_no_layer
 
 
 @pytest.mark.slow
-def test_two_cpu_ranks_each_hold_about_half_of_the_target_and_train_to_the_one_rank_loss(material, tmp_path):
+@pytest.mark.parametrize("variant", [(), ("cache_features=false", "head_type=eagle3", "draft_vocab=40")],
+                         ids=["feature-cache", "target-forward-each-step"])
+def test_two_cpu_ranks_each_hold_about_half_of_the_target_and_train_to_the_one_rank_loss(material, tmp_path, variant):
+    """Cached features (the target runs once, in lockstep), or the target's forward at every step and evaluation."""
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     cfg = write_config(tmp_path / "tiny.yaml", material["target"], material["data"], tmp_path / "two",
                        max_samples=None, eval_samples=8)
-    command = [launcher, "--num_gpus", "2", "--master_port", "29741", "--module", "medusa_lite.train.train",
-               "--config", str(cfg), "shard_target=true"]
+    command = [launcher, "--num_gpus", "2", "--master_port", str(29741 + len(variant)), "--module",
+               "medusa_lite.train.train", "--config", str(cfg), "shard_target=true", *variant]
     proc = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     # one rank, the whole target, the same global batch (two micro steps of the same windows)
-    one = main(["--config", str(cfg), "grad_accum=2", f"output_dir={tmp_path / 'one'}"])
+    one = main(["--config", str(cfg), "grad_accum=2", *variant, f"output_dir={tmp_path / 'one'}"])
     conf = json.loads((tmp_path / "two" / "heads" / "medusa_config.json").read_text())["training"]
     shard = conf["target_shard"]
     assert conf["world_size"] == 2 and shard["world"] == 2 and len(shard["fraction_per_rank"]) == 2

@@ -76,7 +76,7 @@ class TrainConfig(TargetOptions):
     deepspeed: str = option("zero2", "DeepSpeed JSON of the drafter's engine: a path or a shipped name (zero2, zero3)")
     shard_target: bool = option(False, "partition the frozen target's decoder layers across the ranks (DeepSpeed "
                                        "ZeRO-3: each holds 1/world of them; embeddings and lm_head whole), for a "
-                                       "target no one device holds; needs cache_features")
+                                       "target no one device holds")
     # run
     output_dir: str = option("runs/heads", "checkpoints, features, log and the trained heads go here")
     save_every: int = option(100, "checkpoint every N steps (0: only at the end); the newest keep_checkpoints stay")
@@ -104,9 +104,8 @@ class TrainConfig(TargetOptions):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.accept_tokens < 1:
             raise ValueError(f"accept_tokens must be >= 1, got {self.accept_tokens}")
-        if self.shard_target and (not self.cache_features or self.adapter):
-            raise ValueError("shard_target needs cache_features=true (training reads the target's cached features) "
-                             "and no adapter (a LoRA merge needs the whole target)")
+        if self.shard_target and self.adapter:
+            raise ValueError("shard_target takes no adapter (a LoRA merge needs the whole target)")
         if self.draft_vocab is not None and not self.share_lm_head:
             raise ValueError("draft_vocab needs share_lm_head=True (per-head lm_heads span the full vocabulary)")
         if self.head_type != "eagle3" and (self.aux_layers is not None or self.intermediate_size is not None):

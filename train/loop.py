@@ -142,11 +142,15 @@ def evaluate(cfg: TrainConfig, model, engine: Engine, data: D.TokenData, hidden,
     count, accepted = torch.zeros(cfg.num_heads), torch.zeros(cfg.num_heads)
     lm_head = model.base_model.get_output_embeddings()
     vocab_ids = getattr(model.drafter, "draft_ids", None)
-    n = num_positions(cfg.seq_len, cfg.num_heads)
+    n, mb = num_positions(cfg.seq_len, cfg.num_heads), cfg.micro_batch_size
+    # a sharded target's forward is collective: every rank runs as many as rank 0, the one with the most windows
+    lockstep = cfg.shard_target and hidden is None
     with engine.gathered():
-        for i in range(0, len(mine), cfg.micro_batch_size):
-            h, teacher, weights, ids, segments = window_inputs(cfg, model, lm_head, data, hidden,
-                                                               mine[i: i + cfg.micro_batch_size], rt)
+        for i in range(0, len(starts[0::rt.world]) if lockstep else len(mine), mb):
+            if i >= len(mine):
+                window_inputs(cfg, model, lm_head, data, hidden, starts[:1], rt)
+                continue
+            h, teacher, weights, ids, segments = window_inputs(cfg, model, lm_head, data, hidden, mine[i: i + mb], rt)
             with autocast(cfg, rt):
                 head_logits = model.drafter(h.float() if cfg.precision == "fp32" else h, ids, segments)  # [K, B, T, V']
             got = agreement(head_logits.float(), teacher.float(), weights.cpu(), topk=(1, 5), vocab_ids=vocab_ids)

@@ -5,9 +5,10 @@ decoding needs) whole on each rank.
 The layers load partitioned (transformers' ZeRO-3 loading under :func:`partitioned_loading`: parameters are
 partitioned as they are made and filled one module at a time, so no rank holds the whole target), and each layer's
 parameters are gathered for its forward and released after it (:class:`ShardedTarget`). Every target forward is
-therefore collective: the feature pass runs in lockstep on all ranks (``compute_features(lockstep=True)``), and the
-acceptance decode runs on rank 0 while the others lend it their shards (:meth:`ShardedTarget.lead`). Training reads
-the cached features only (``cache_features``), so the target runs nowhere else.
+therefore collective, and every rank runs as many: the feature pass pads a rank's last batches
+(``compute_features(lockstep=True)``), training steps take as many windows on each rank, the held-out windows are
+padded too (``evaluate``), and the acceptance decode runs on rank 0 while the others lend it their shards
+(:meth:`ShardedTarget.lead`).
 """
 
 from __future__ import annotations
