@@ -18,6 +18,7 @@ from .engine import Engine, Job
 from .metrics import Metrics
 from .params import NEUTRAL, best_completions, candidates, parse, requested_logprobs, sampling_kwargs, stop_kwargs
 from .schemas import APIError, ChatRequest, Common, CompletionRequest, read_json
+from .structured import compile_request_grammar
 from .utility import ApiKeyCheck, add_utility_routes
 
 log = logging.getLogger("medusa_lite.serve")
@@ -190,6 +191,8 @@ class Api:
         default = self.defaults.get("max_tokens", self.settings.default_max_tokens)
         max_tokens = _budget(self.engine, len(prompt_ids), requested, default, param)
         stops = stop_kwargs(req, lambda text: self.engine.encode(text, special=False))
+        if (grammar := compile_request_grammar(req, self.engine)) is not None:  # a 400 here if it does not compile
+            stops["grammar"] = grammar
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         count = candidates(req)
         logprobs = requested_logprobs(req)

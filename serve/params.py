@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from transformers import GenerationConfig
 
+from . import structured
 from .schemas import APIError, ChatRequest, Common, CompletionRequest, parse_request
 
 MAX_N = 16  # completions per request (each a row of the batch)
@@ -66,10 +67,11 @@ REFUSED: dict[str, tuple[tuple, str]] = {  # name -> (neutral values, accepted; 
     "kv_transfer_params": ((None, {}), "there is no disaggregated prefill"),
     "vllm_xargs": ((None, {}), "this server has no custom extensions"),
 }
-STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-              "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")
-REFUSED.update({name: ((None, {"type": "text"}) if name == "response_format" else (None,),
-                       "structured output is not supported yet") for name in STRUCTURED})
+# structured output (:mod:`.structured`): the grammar fields honoured, the backend's name accepted
+HONOURED += structured.HONOURED
+ACCEPTED.update(structured.ACCEPTED)
+REFUSED["structural_tag"] = ((None,), "structural tags (grammars switched on by trigger strings in free text) are not "
+                                      "supported: send one grammar (response_format or structured_outputs)")
 _TEMPLATE_OWN = {"messages", "conversation", "tokenize", "chat_template", "add_generation_prompt",
                  "continue_final_message", "documents", "tools", "return_dict"}
 
@@ -82,6 +84,7 @@ def parse(schema: type[Common], body: Any) -> Common:
         if not any(value == v and type(value) is type(v) for v in neutral):
             raise APIError(400, f"{name} is not supported: {why}", param=name, code="unsupported_parameter")
     requested_logprobs(req)  # 400 for a bad logprobs / top_logprobs
+    structured.grammar_spec(req)  # 400 for a malformed grammar field, or two
     token_bias(req)  # 400 for a bad logit_bias
     if (req.n or 1) > MAX_N:
         raise APIError(400, f"n={req.n}: at most {MAX_N} completions per request", param="n", code="invalid_value")

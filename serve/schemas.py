@@ -93,7 +93,7 @@ class Common(_Strict):
     cache_salt: str | None = None
     kv_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
-    # structured output (OpenAI's response_format, vLLM's structured_outputs and guided_*): refused for now
+    # structured output (OpenAI's response_format, vLLM's structured_outputs and guided_*): :mod:`.structured`
     response_format: dict | None = None
     structured_outputs: dict | None = None
     guided_json: Any = None

@@ -261,3 +261,111 @@ def test_grammar_state_walks_and_syncs():
     with pytest.raises(RuntimeError, match="against the grammar"):
         state.sync([3, 2])
     assert isinstance(state, GrammarState)
+
+
+# ---------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A server on a tiny random Llama, and the same target in this process for the references."""
+    pytest.importorskip("fastapi")
+    from _serve_utils import ServerProcess, save_tiny_model
+
+    from medusa_lite.targets import load_target
+
+    root = tmp_path_factory.mktemp("structured")
+    target_dir = save_tiny_model(root / "target", context=512)
+    target, tok = load_target(target_dir)
+    model = random_heads(MedusaModel(target, MedusaConfig(num_heads=3)), std=0.3)
+    model.save_pretrained(root / "heads")
+    srv = ServerProcess("--target", str(target_dir), "--heads", str(root / "heads"), "--threads", "1")
+    yield srv, target, tok
+    srv.stop()
+
+
+@pytest.fixture
+def client(served):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+STRICT = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA, "strict": True}}
+COMPACT = {"disable_any_whitespace": True}
+REQUESTS = {  # request fields -> generate's grammar
+    "response_format_json_schema": ({"response_format": STRICT}, {"json_schema": SCHEMA}),
+    "response_format_json_object": ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    "response_format_whitespace_pattern": ({"response_format": STRICT, "guided_whitespace_pattern": "[ ]?"},
+                                           {"json_schema": SCHEMA, "whitespace_pattern": "[ ]?"}),
+    "structured_outputs_json": ({"structured_outputs": {"json": SCHEMA, **COMPACT}}, {"json_schema": SCHEMA, **COMPACT}),
+    "structured_outputs_regex": ({"structured_outputs": {"regex": GRAMMARS["regex"]["regex"]}}, GRAMMARS["regex"]),
+    "structured_outputs_choice": ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    "structured_outputs_grammar": ({"structured_outputs": {"grammar": GRAMMARS["lark"]["grammar"]}}, GRAMMARS["lark"]),
+    "guided_json": ({"guided_json": json.dumps(SCHEMA)}, {"json_schema": SCHEMA}),
+    "guided_regex": ({"guided_regex": GRAMMARS["regex"]["regex"]}, GRAMMARS["regex"]),
+    "guided_choice": ({"guided_choice": ["yes", "no", "maybe so"]}, {"choice": ["yes", "no", "maybe so"]}),
+    "guided_grammar": ({"guided_grammar": 'root ::= "(" [a-c] ("," [a-c])* ")"'},
+                       {"grammar": 'root ::= "(" [a-c] ("," [a-c])* ")"'}),
+}
+
+
+# JSON with any whitespace between tokens (OpenAI's and vLLM's default): a random target writes whitespace until the
+# budget ends, so these are checked against the reference only; every other answer ends and is checked for its form
+UNFINISHED = {"response_format_json_schema", "response_format_json_object", "guided_json"}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("case", list(REQUESTS))
+def test_server_structured_output_is_plain_constrained_decoding(served, client, case, endpoint):
+    """Each request form: the greedy answer is plain constrained decoding's (the target alone, the same grammar) and
+    it parses as what was asked for; streamed, the same text."""
+    _, target, tok = served
+    fields, spec = REQUESTS[case]
+    messages = [{"role": "user", "content": "Hello world! How are you today?"}]
+    if endpoint == "chat":
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        create = lambda **kw: client.chat.completions.create(messages=messages, **kw)  # noqa: E731
+        text_of = lambda out: out.choices[0].message.content  # noqa: E731
+    else:
+        ids = tok("Hello world! How are you today?")["input_ids"]
+        create = lambda **kw: client.completions.create(prompt="Hello world! How are you today?", **kw)  # noqa: E731
+        text_of = lambda out: out.choices[0].text  # noqa: E731
+    openai_own = {k: v for k, v in fields.items() if k == "response_format" and endpoint == "chat"}
+    extra = {k: v for k, v in fields.items() if k not in openai_own}
+    out = create(model="target", max_tokens=60, temperature=0, extra_body=extra or None, **openai_own)
+    text = text_of(out)
+    torch.set_num_threads(1)  # as the server (--threads 1)
+    ref = plain_constrained(target, tok, torch.tensor([list(ids)]), spec, new=60)
+    assert text == tok.decode(ref[0, len(ids):], skip_special_tokens=True)
+    assert case in UNFINISHED or out.choices[0].finish_reason == "stop"
+    if out.choices[0].finish_reason == "stop":
+        if "json" in case or "response_format" in case:
+            parsed = json.loads(text)
+            assert isinstance(parsed, dict) and ("object" in case or set(parsed) == {"id", "ok", "tag"})
+        elif "choice" in case:
+            assert text in spec["choice"]
+        elif "regex" in case:
+            assert VALID["regex"](text), text
+        else:
+            assert re.fullmatch(r"\((?:[a-c]|xy)(?:,(?:[a-c]|xy))*\)", text), text
+    streamed = create(model="target", max_tokens=60, temperature=0, stream=True, extra_body=extra or None,
+                      **openai_own)
+    chunks = [c.choices[0].delta.content if endpoint == "chat" else c.choices[0].text for c in streamed if c.choices]
+    assert "".join(c or "" for c in chunks) == text
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a+", "structural_tag": "{}"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "object"}, "disable_additional_properties": True}}, "structured_outputs"),
+    ({"guided_grammar": "start: undefined"}, "guided_grammar"),
+])
+def test_server_refuses_bad_grammars_by_name(served, fields, param):
+    import httpx
+
+    r = httpx.post(served[0].url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
