@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import logging
+from dataclasses import replace
+
 import torch
 from torch import nn
 from transformers import GenerationConfig, StoppingCriteriaList
@@ -12,14 +15,17 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from ._hf import context_length, output_weight, resolve_generation_config, text_config
 from .constraints import CompiledGrammar, Grammar, compile_grammar
 from .kv import check_model
-from .decode import (STOP_OPTIONS, BatchGuards, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch,
-                     SpeedGuard, eos_ids, make_plan, run_batch)
+from .decode import (STOP_OPTIONS, FittedPlan, GenerationStats, PlanCache, Sequence, SpeculativeBatch, SpeedGuard,
+                     eos_ids, make_plan, run_batch)
 from .drafters import MedusaConfig, as_drafter_config, build_drafter, drafter_class, drafter_features
-from .fit import AcceptanceTable, FitSession, HardwareFit
+from .fit import (AcceptanceTable, FitState, HardwareFit, decoding_key, fit_enabled_default, fit_machine,
+                  fit_state)
 from .heads_io import (HeadsMismatchError, check_fingerprint, load_weights, read_heads, resolve_heads_dir, save_heads,
                        target_fingerprint)
 from .sampling import SAMPLING_OPTIONS, DraftSampler, build_warpers, check_supported
 from .tree import DynamicTree, TreeSpec, WithLookup, parse_tree
+
+log = logging.getLogger("medusa_lite")
 
 
 class MedusaModel(nn.Module):
@@ -56,9 +62,11 @@ class MedusaModel(nn.Module):
         self.drafter.attach(base_model)
         self.last_stats: GenerationStats | None = None
         self.last_batch_stats: list[GenerationStats] = []
-        # hardware fit (medusa_lite.fit): the heads' acceptance table; fits, guards and kernels per decoding mode
+        # hardware fit (medusa_lite.fit): the heads' acceptance table; the fit in use per (sampling, dtype, device)
         self.acceptance: AcceptanceTable | None = None
-        self.fits = FitSession(self)
+        self.fits: dict[tuple, FitState] = {}
+        # whether generate decodes with the fitted tree by default (False as with MEDUSA_LITE_FIT=0)
+        self.fit_enabled = fit_enabled_default()
         self.heads_dir: Path | None = None  # where from_pretrained read the heads; None: fresh heads
         if freeze:
             base_model.requires_grad_(False)
@@ -145,41 +153,44 @@ class MedusaModel(nn.Module):
         return make_plan(self.drafter, tree, self.heads_device, sampler)
 
     # ------------------------------------------------------------------ hardware fit
-    @property
-    def fit_enabled(self) -> bool:
-        """Whether ``generate`` decodes with the fitted tree by default (False as with ``MEDUSA_LITE_FIT=0``)."""
-        return self.fits.enabled
-
-    @fit_enabled.setter
-    def fit_enabled(self, value: bool) -> None:
-        self.fits.enabled = bool(value)
-
     def fit_hardware(self, sample: bool = False, *, force: bool = False, progress: bool = True,
                      budget_s: float | None = None) -> HardwareFit | None:
-        """The trees fitted to this machine for greedy decoding or sampling (:mod:`medusa_lite.fit`).
-
-        Combines the heads' acceptance table (shipped, hardware-independent) with this machine's measured
-        verify latency and drafting cost (:func:`medusa_lite.fit.store.load_or_probe`: a bounded probe on first
-        use per machine fingerprint, then a cache read). None when the heads have no acceptance table.
-        ``force``: measure again even if a valid cached probe exists.
-        """
-        return self.fits.fit(sample, force=force, progress=progress, budget_s=budget_s)
+        """The trees fitted to this machine for greedy decoding or sampling (:func:`medusa_lite.fit.fit_machine`:
+        the heads' acceptance table priced by a bounded probe on first use per machine, then a cache read), made
+        the fit in use. The fit in use is returned as it is unless ``force`` (measure again). None when the heads
+        have no acceptance table. ``generate`` calls it once per decoding mode unless fitting is off."""
+        current = self.fits.get(decoding_key(self.base_model, sample))
+        if current is not None and not force:
+            return current.fit
+        fit = fit_machine(self.base_model, self.drafter, self.config, self.acceptance, sample, force=force,
+                          progress=progress, budget_s=budget_s)
+        if fit is not None:
+            self.use_fit(fit, sample)
+        return fit
 
     def fitted(self, sample: bool = False) -> HardwareFit | None:
         """The fit in use for greedy decoding or sampling, without fitting (None: none yet)."""
-        state = self.fits.state(sample)
-        return None if state is None else state.fit
+        current = self.fits.get(decoding_key(self.base_model, sample))
+        return None if current is None else current.fit
 
     def use_fit(self, fit: HardwareFit, sample: bool = False, *, guard=SpeedGuard, kernels=None) -> None:
         """Decode with ``fit`` (e.g. from :meth:`fit_hardware` of another process, or made up for a test), a fresh
         ``guard(ladder)`` per bucket (:class:`medusa_lite.fit.SpeedGuard`, or a ``functools.partial`` of it with
-        another window) and ``kernels`` (:class:`medusa_lite.kernels.Kernels`; None: ``Kernels.defaults``)."""
-        self.fits.use(fit, sample, guard=guard, kernels=kernels)
+        another window) and ``kernels`` (:class:`medusa_lite.kernels.Kernels`; None: the fit's own)."""
+        fit = fit if kernels is None else replace(fit, kernels=kernels)
+        self.fits[decoding_key(self.base_model, sample)] = fit_state(fit, guard)
 
-    def batch_guards(self, sample: bool = False, fit: bool | None = None) -> BatchGuards | None:
-        """The guards choosing the tree of batched steps (:class:`medusa_lite.fit.BatchGuards`, kept across calls
-        per decoding mode), or None when fitting is off or impossible."""
-        return self.fits.batch_guards(sample, fit)
+    def _fit_state(self, sample: bool, fit: bool | None) -> FitState | None:
+        """The fit decoding uses (fitted now on first use), or None when fitting is off (``fit=False``, or
+        ``fit=None`` with :attr:`fit_enabled` off) or impossible."""
+        if fit is False or (fit is None and not self.fit_enabled):
+            return None
+        if self.fitted(sample) is None:
+            log.info("medusa_lite: generate fits the tree to this machine on first use (fit_hardware(sample=%s)); "
+                     "fit=False or MEDUSA_LITE_FIT=0 decodes with the heads' stored tree", sample)
+        if self.fit_hardware(sample) is None:
+            return None
+        return self.fits.get(decoding_key(self.base_model, sample))
 
     # ------------------------------------------------------------------ generate
     def sequence(self, prompt: torch.Tensor, generation_config: GenerationConfig | None = None, **kwargs) -> Sequence:
@@ -260,7 +271,8 @@ class MedusaModel(nn.Module):
         plan = plan_for = None
         if tree is None:  # one sequence's plans (each made once) for the trees its guards name
             plan_for = PlanCache(self.drafter, self.config.num_heads, self.heads_device, sampler)
-            plan = self.fits.plan(config.do_sample, plan_for, fit)
+            state = self._fit_state(config.do_sample, fit)
+            plan = None if state is None else FittedPlan(plan_for, state.guards, state.fit.buckets)
             plan_for = plan_for if plan is not None else None
         if plan is None:
             tree = parse_tree(tree, self.config.num_heads) if tree is not None else self.tree_for(config.do_sample)
@@ -274,9 +286,10 @@ class MedusaModel(nn.Module):
         """An empty :class:`~medusa_lite.decode.SpeculativeBatch` on this model: its fitted verify kernels, and the
         guards choosing the tree of batched steps (fitted for ``sample``: rows of the other mode get the same trees).
         ``solo``: for one sequence (sliding-window layers then keep only their window)."""
-        kernels = self.fits.kernels(sample)
-        return SpeculativeBatch(self.base_model, self.drafter, kernels, max_step_tokens, self.batch_guards(sample, fit),
-                                solo)
+        current = self.fitted(sample)  # its kernels even where this call decodes without its trees
+        state = self._fit_state(sample, fit)
+        return SpeculativeBatch(self.base_model, self.drafter, None if current is None else current.kernels,
+                                max_step_tokens, None if state is None else state.batch, solo)
 
     @torch.no_grad()
     def generate(

@@ -76,14 +76,14 @@ def test_the_best_evaluation_by_acceptance_length_is_what_is_loaded_back(tmp_pat
 def test_every_evaluation_measures_acceptance_in_the_verify_loop_and_the_best_heads_are_written(
         material, tmp_path, capsys, monkeypatch):
     from medusa_lite import MedusaModel
-    from medusa_lite.fit.session import FitSession
+    from medusa_lite import model as model_module
     from medusa_lite.targets import load_target
     from medusa_lite.train import data as D
 
     def no_fit(*args, **kwargs):
         raise AssertionError("training evaluation must not fit the tree to the machine")
 
-    monkeypatch.setattr(FitSession, "fit", no_fit)
+    monkeypatch.setattr(model_module, "fit_machine", no_fit)
     out = main([f"target={material['target']}", f"data={material['data']}", "precision=fp32", "seq_len=32",
                 "max_steps=4", "save_every=2", "log_every=1", "lr=1e-2", "warmup_steps=1", "eval_samples=6",
                 "accept_prompts=3", "accept_tokens=12", "progress=false", f"output_dir={tmp_path}"])
@@ -94,6 +94,7 @@ def test_every_evaluation_measures_acceptance_in_the_verify_loop_and_the_best_he
     best_step = max(sorted(measured), key=lambda s: (measured[s], s))
     assert ev["heads_step"] == best_step and ev["accept_length"] == measured[best_step]
     assert ev["accept_prompts"] == 3 and ev["accept_dtype"] == "torch.float32"
+    assert json.loads((tmp_path / "accept_tree.json").read_text()) == ev["accept_tree"]  # for bench --tree
     stdout = capsys.readouterr().out
     assert "eval at step 2: accept_length" in stdout and "the heads written are" in stdout
     card = (Path(out["heads_dir"]) / "README.md").read_text()

@@ -20,17 +20,17 @@ speed disagrees with the prediction: decoding never calls back into the fit.
 
 Modules, each using only those before it: :mod:`.latency` (the latency model), :mod:`.table` (the shipped
 acceptance table), :mod:`.pricing` (ladders, :class:`HardwareFit`), :mod:`.probe` (the measurements),
-:mod:`.store` (their cache), :mod:`.session` (one model's fits per decoding mode, dtype and device, and the
-guards and plans made from them).
+:mod:`.store` (their cache), :mod:`.machine` (:func:`fit_machine`: the fit of one decoding mode as an immutable
+value, and the guards decoding keeps with it).
 """
 
 from ..decode.adaptive import BatchGuards, CyclingGuard, FittedPlan, Rung, SpeedGuard  # what the ladders drive
 from .latency import BUCKETS, bucket_contexts, bucket_of, interpolate_latency, latency_at, max_tokens, monotone_latency
 from .pricing import MAX_RUNGS, PLAIN, PRICED_BATCHES, HardwareFit, fit_trees
-from .session import FitSession, FitState, batch_guards
+from .machine import FitState, Subject, batch_guards, decoding_key, fit_enabled_default, fit_machine, fit_state
 from .table import ACCEPTANCE_NAME, AcceptanceTable, Candidate
 
-__all__ = ["ACCEPTANCE_NAME", "AcceptanceTable", "BUCKETS", "BatchGuards", "Candidate", "CyclingGuard", "FitSession",
-           "FitState", "FittedPlan", "HardwareFit", "MAX_RUNGS", "PLAIN", "PRICED_BATCHES", "Rung", "SpeedGuard", "batch_guards",
-           "bucket_contexts",
-           "bucket_of", "fit_trees", "interpolate_latency", "latency_at", "max_tokens", "monotone_latency"]
+__all__ = ["ACCEPTANCE_NAME", "AcceptanceTable", "BUCKETS", "BatchGuards", "Candidate", "CyclingGuard", "FitState",
+           "FittedPlan", "HardwareFit", "MAX_RUNGS", "PLAIN", "PRICED_BATCHES", "Rung", "SpeedGuard", "Subject",
+           "batch_guards", "bucket_contexts", "bucket_of", "decoding_key", "fit_enabled_default", "fit_machine",
+           "fit_state", "fit_trees", "interpolate_latency", "latency_at", "max_tokens", "monotone_latency"]

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..decode.adaptive import Rung
+from ..kernels import Kernels
 from ..machine import describe
 from ..tree import has_lookup, parse_tree, tree_key, tree_nodes
 from .latency import BUCKETS, bucket_contexts, latency_at, max_tokens
@@ -86,9 +87,10 @@ def _widest(tree) -> int:
     return tree_nodes(parse_tree(tree)) + 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class HardwareFit:
-    """The trees fitted to this machine: a ladder per context bucket, and where the figures came from."""
+    """The trees fitted to this machine: a ladder per context bucket, the kernels to decode them with, and where the
+    figures came from."""
 
     fingerprint: dict
     ladders: list[list[Rung]]
@@ -99,6 +101,7 @@ class HardwareFit:
     packed_to: int = 0       # (medusa_lite.kernels); packed_from 0: the stock kernels throughout
     measured: dict = field(default_factory=dict)  # the probe's latency, draft and overhead (to price batches)
     candidates: list = field(default_factory=list)  # the candidates the ladders were fitted from
+    kernels: Kernels | None = field(default=None, compare=False)  # what decoding runs with (None: Kernels.defaults)
     _batch_ladders: dict = field(default_factory=dict, repr=False, compare=False)
 
     def batch_ladders(self, batch: int) -> list[list[Rung]]:

@@ -167,7 +167,7 @@ def probe(model, candidates: list, *, budget_s: float = DEFAULT_BUDGET_S, progre
           max_tokens_per_step: float | None = None, packed=None, sampler=None, kernels: Kernels | None = None) -> dict:
     """Measure this machine for :func:`medusa_lite.fit.fit_trees`.
 
-    model: a :class:`medusa_lite.MedusaModel`; candidates: the trees (JSON form) whose drafting is timed.
+    model: a :class:`~.machine.Subject` (its ``base_model``, ``drafter`` and ``config``); candidates: the trees (JSON form) whose drafting is timed.
     Verify latency is measured for 1, 2, 3, 4, 6, ... tree tokens (:data:`PROBE_TOKENS`) at each of :data:`PROBE_CACHE_LENGTHS`, two
     timed repeats each (the faster kept), up to the largest candidate; it stops growing where a forward
     already costs more than ``max_tokens_per_step`` single-token forwards (no tree can pay beyond), and

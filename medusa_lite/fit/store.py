@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
@@ -26,6 +27,8 @@ from .probe import DEFAULT_BUDGET_S, one_token_seconds, probe
 # Bump whenever what the probe measures or how its figures are used changes (sizes timed, kernels timed, fields
 # kept): a cached probe of another format is measured again, never reinterpreted.
 FIT_FORMAT = "medusa_lite.fit/11"
+
+log = logging.getLogger("medusa_lite")
 
 
 def cache_path(key: str) -> Path:
@@ -135,8 +138,8 @@ def stale(model, measured: dict) -> bool:
 def load_or_probe(model, candidates: list, *, force: bool = False, progress: bool = True,
                   budget_s: float = DEFAULT_BUDGET_S, max_tokens_per_step: float | None = None, sampler=None,
                   kernels=None):
-    """(fingerprint, measured, cache hit, verify linears or None): the cached probe for this machine, target and
-    candidates, else a fresh probe (written to the cache) that decodes and drafts with ``kernels``
+    """(fingerprint, measured, cache hit, verify linears or None) for ``model`` (a :class:`~.machine.Subject`): the
+    cached probe for this machine, target and candidates (logged, with its file), else a fresh probe (written to the cache) that decodes and drafts with ``kernels``
     (:class:`medusa_lite.kernels.Kernels`). The verify linears (:class:`medusa_lite.kernels.VerifyKernels`: the
     skinny kernel, else MKL's packed GEMM) cover the sizes where they were measured faster, packed once per
     process."""
@@ -161,6 +164,8 @@ def load_or_probe(model, candidates: list, *, force: bool = False, progress: boo
                          max_tokens_per_step=max_tokens_per_step, packed=packed, sampler=sampler, kernels=kernels)
         write_cached(key, fingerprint, measured)
         measured = check_measured(json.loads(json.dumps(measured)))
+    log.info("medusa_lite: hardware fit (%s): %s %s", "sampling" if sampler is not None else "greedy",
+             "probe read back from" if hit else f"probed in {measured['seconds']:.1f} s, cached in", cache_path(key))
     if not measured["packed_from"] or not counts:
         return fingerprint, measured, hit, None
     return fingerprint, measured, hit, VerifyKernels(model.base_model, measured["packed_from"], counts, packed=packed,
