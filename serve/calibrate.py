@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
 def measure_table(model, tokenizer, args: CalibrateSettings, report: dict) -> AcceptanceTable:
     """The target's continuations, the heads' accuracy and their acceptance table (added to ``report``)."""
     questions = load_questions(args.questions, limit=args.per_task, from_end=True)
-    sequences, overhead_per_step = continuations(model, tokenizer, questions, args)
+    sequences, overhead_per_step = continuations(model, tokenizer, questions, args.max_new_tokens, args.continuations,
+                                                 {"dtype": args.dtype, "target": args.target})
     print(f"continuations: {len(sequences)} prompts, {sum(s.numel() - p for s, p in sequences)} tokens; "
           f"overhead outside target forwards {overhead_per_step * 1e3:.1f} ms/step")
     accuracy = measure_head_accuracy(model, sequences, topk=args.topk)
@@ -120,7 +122,18 @@ def measure_table(model, tokenizer, args: CalibrateSettings, report: dict) -> Ac
     report["data"] = {"questions": str(args.questions), "question_ids": [q.question_id for q in questions],
                       "max_new_tokens": args.max_new_tokens, "continuations_cache": args.continuations}
     report["accuracy"] = accuracy
-    return acceptance_table(model, sequences, accuracy["accuracies"], questions, args)
+    about = {"target": args.target or "SmolLM2-135M-Instruct", "dtype": args.dtype,
+             "prompts": f"{_short(args.questions)}, the last {args.per_task} of each task",
+             "command": "medusa-lite calibrate " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+    return acceptance_table(model, sequences, accuracy["accuracies"], questions, max_new_tokens=args.max_new_tokens,
+                            sample_temperature=args.sample_temperature, sample_prompts=args.sample_prompts,
+                            seed=args.seed, about=about)
+
+
+def _short(path) -> str:
+    """``folder/file`` of a prompts file: names the set without this machine's paths."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}"
 
 
 def save(heads_dir: Path, report: dict, args: CalibrateSettings) -> None:

@@ -190,14 +190,15 @@ def measure_sampling(model, prompts: list[torch.Tensor], trees: list[TreeSpec], 
              "steps": steps, "by_bucket": counts.to_dict()} for (tokens, steps, seconds), counts in zip(totals, per_bucket)]
 
 
-def continuations(model, tokenizer, questions, args) -> tuple[list[tuple[torch.Tensor, int]], float]:
-    """[(prompt + the target's greedy continuation [L], prompt length)] and the seconds per decoding step
-    spent outside target forwards. With ``--continuations FILE`` the sequences (which depend on the target,
-    not on the heads) are read from FILE when it matches, else generated and written there; the overhead
-    is then measured on one short generation."""
-    cache = Path(args.continuations) if args.continuations else None
-    key = {"question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
-           "dtype": args.dtype, "target": args.target}
+def continuations(model, tokenizer, questions, max_new_tokens: int, cache: str | Path | None = None,
+                  made_with: dict | None = None) -> tuple[list[tuple[torch.Tensor, int]], float]:
+    """[(prompt + the target's greedy continuation of ``max_new_tokens`` [L], prompt length)] and the seconds per
+    decoding step spent outside target forwards. With ``cache`` (a JSON file) the sequences (which depend on the
+    target, not on the heads) are read from it when its key matches (the questions, ``max_new_tokens`` and
+    ``made_with``: e.g. the target and dtype), else generated and written there; the overhead is then measured on
+    one short generation."""
+    cache = Path(cache) if cache else None
+    key = {"question_ids": [q.question_id for q in questions], "max_new_tokens": max_new_tokens, **(made_with or {})}
     sequences, stats = [], []
     if cache is not None and cache.is_file():
         saved = json.loads(cache.read_text())
@@ -208,7 +209,7 @@ def continuations(model, tokenizer, questions, args) -> tuple[list[tuple[torch.T
         print(f"{cache} was made for other settings: generating the continuations again")
     for q in questions:
         ids = chat_prompt(tokenizer, q.prompt)
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
         stats.append(model.last_stats)
         sequences.append((out[0], ids.shape[1]))
     if cache is not None:

@@ -5,9 +5,7 @@ Hardware-independent; the library half of ``medusa-lite calibrate``."""
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 from ..fit import BUCKETS, AcceptanceTable, Candidate
 from ..tree import DynamicTree, WithLookup, grow_tree, parse_tree, tree_json
@@ -40,36 +38,30 @@ def acceptance_candidates(model, acc) -> tuple[list, list]:
     return greedy, sample
 
 
-def acceptance_table(model, sequences, acc, questions, args):
-    """Replay every greedy candidate on the continuations and run every sampling candidate after the prompts;
-    the tokens per step (and tree tokens) per context bucket form the heads' :class:`AcceptanceTable`."""
+def acceptance_table(model, sequences, acc, questions, *, max_new_tokens: int, sample_temperature: float = 1.0,
+                     sample_prompts: int | None = None, seed: int = 0, about: dict | None = None) -> AcceptanceTable:
+    """Replay every greedy candidate on the continuations and run every sampling candidate after the prompts
+    (``sample_prompts`` of them spread over the tasks, None: all; ``sample_temperature`` 0: greedy rows only); the
+    tokens per step (and tree tokens) per context bucket form the heads' :class:`AcceptanceTable`. ``about``: what
+    the table's ``data`` records of where it came from (target, dtype, prompts, command)."""
     greedy, sample = acceptance_candidates(model, acc)
     features = [drafter_inputs(model, ids) for ids, _ in sequences]
     replayed = replay_trees(model, sequences, [parse_tree(t, model.config.num_heads) for t in greedy], features,
                             progress=True)
     rows = [Candidate(tree=tree, **r["by_bucket"]) for tree, r in zip(greedy, replayed)]
     sampled, prompts = [], []
-    if args.sample_temperature > 0:
+    if sample_temperature > 0:
         prompts = [ids[:start] for ids, start in sequences]
-        if args.sample_prompts:  # spread over the tasks
-            prompts = prompts[::max(1, len(prompts) // args.sample_prompts)][:args.sample_prompts]
+        if sample_prompts:  # spread over the tasks
+            prompts = prompts[::max(1, len(prompts) // sample_prompts)][:sample_prompts]
         trees = [parse_tree(t, model.config.num_heads) for t in sample]
-        measured = measure_sampling(model, prompts, trees, args.max_new_tokens, args.sample_temperature, args.seed,
-                                    progress=True)
+        measured = measure_sampling(model, prompts, trees, max_new_tokens, sample_temperature, seed, progress=True)
         sampled = [Candidate(tree=t, **m["by_bucket"]) for t, m in zip(sample, measured)]
-    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "target": args.target or "SmolLM2-135M-Instruct",
-            "dtype": args.dtype, "prompts": f"{_short(args.questions)}, the last {args.per_task} of each task",
-            "question_ids": [q.question_id for q in questions], "max_new_tokens": args.max_new_tokens,
+    data = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(about or {}),
+            "question_ids": [q.question_id for q in questions], "max_new_tokens": max_new_tokens,
             "continuation_tokens": sum(s.numel() - p for s, p in sequences), "replay": "greedy decoding's steps",
-            "sampled_prompts": len(prompts),
-            "command": "medusa-lite calibrate " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])}
+            "sampled_prompts": len(prompts)}
     for c in rows[:3] + sampled[:2]:
         print(f"{json.dumps(c.tree)}: tokens/step by bucket {[round(t, 2) for t in c.tokens_per_step]}")
     return AcceptanceTable(buckets=list(BUCKETS), greedy=rows, sample=sampled,
-                           sample_temperature=args.sample_temperature or None, data=data)
-
-
-def _short(path) -> str:
-    """``folder/file`` of a prompts file: names the set without this machine's paths."""
-    path = Path(path)
-    return f"{path.parent.name}/{path.name}"
+                           sample_temperature=sample_temperature or None, data=data)
