@@ -2,9 +2,10 @@
 own verify loop on held-out prompts, and the best-by-acceptance drafter the run keeps.
 
 Acceptance length is new tokens per verify step (accepted + 1), pooled over ``accept_prompts`` held-out prompts of
-``accept_tokens`` new tokens each: greedy, one fixed tree (``accept_tree``, else the heads' stored tree: what
-``medusa-lite bench --no-fit`` decodes with), no prompt-lookup branch and no hardware fit (the fit probes the
-machine; its tree changes with the machine, not with the drafter). The drafter decodes as a saved one loads: a copy
+``accept_tokens`` new tokens each: greedy, one fixed tree (``accept_tree``, else the heads' stored tree), no
+prompt-lookup branch and no hardware fit (the fit probes the machine; its tree changes with the machine, not with
+the drafter). The tree is written to ``output_dir/accept_tree.json``: ``medusa-lite bench --tree`` that file decodes
+with the same one. The drafter decodes as a saved one loads: a copy
 of its weights in the target's dtype, on the frozen target (:func:`decoding_model`). ``bench`` counts the prefill as
 a forward as well; over 256 tokens that lowers its tokens per forward by under 1% of this figure.
 """
@@ -53,6 +54,12 @@ def fixed_tree(cfg: TrainConfig, config):
 
     tree = load_tree(cfg.accept_tree) if cfg.accept_tree else parse_tree(config.choices_for(False), config.num_heads)
     return tree_json(tree.tree if isinstance(tree, WithLookup) else tree)
+
+
+def write_tree(cfg: TrainConfig, config, rt: Runtime) -> None:
+    """``output_dir/accept_tree.json``: the tree acceptance is measured with, for ``medusa-lite bench --tree``."""
+    if rt.rank == 0:
+        (Path(cfg.output_dir) / "accept_tree.json").write_text(json.dumps(fixed_tree(cfg, config)) + "\n")
 
 
 def decoding_model(model, engine: Engine, rt: Runtime):

@@ -47,9 +47,9 @@ def acceptance_lines(p: dict[str, Any]) -> str:
     return (f"\nAcceptance length: **{ev['accept_length']:.3f} tokens per verify step** (accepted + 1) in "
             f"medusa_lite's verify loop on {ev['accept_prompts']} held-out prompts x {ev['accept_tokens']} new tokens, "
             f"greedy, {ev.get('accept_dtype', '')}, tree `{json.dumps(ev['accept_tree'])}` without prompt lookup or "
-            "hardware fit (what `medusa-lite bench --no-fit` counts as tokens per forward). These heads are step "
-            f"{ev.get('heads_step', p['steps'])}'s, the best acceptance length of the run's evaluations (step: tokens "
-            f"per step): {history}.\n")
+            "hardware fit (what `medusa-lite bench --tree` that tree counts as tokens per forward). These heads are "
+            f"step {ev.get('heads_step', p['steps'])}'s, the best acceptance length of the run's evaluations "
+            f"(step: tokens per step): {history}.\n")
 
 
 def model_card(p: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ class TrainConfig(TargetOptions):
                                     "(tokens per verify step; 0: not measured, the final heads are the result)")
     accept_tokens: int = option(64, "new tokens decoded per prompt for the acceptance length")
     accept_tree: str | None = option(None, "tree the acceptance length is measured with (a JSON file or a shipped "
-                                           "name); none: the heads' stored tree, what bench --no-fit decodes with")
+                                           "name); none: the heads' stored tree; without its lookup branch either way")
     max_doc_len: int = option(1024, "documents are truncated to this many tokens")
     seq_len: int = option(256, "training window length")
     windows: Literal["stream", "document"] = option(

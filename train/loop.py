@@ -15,7 +15,7 @@ from medusa_lite.drafters import drafter_features, num_positions
 from medusa_lite.train import data as D
 from medusa_lite.train.loss import agreement, sampled_acceptance
 
-from .acceptance import BestHeads, acceptance_length, describe
+from .acceptance import BestHeads, acceptance_length, describe, write_tree
 from .config import TrainConfig
 from .engine import Engine
 from .features import split_features
@@ -179,6 +179,8 @@ class Evaluations:
         self.every = cfg.save_every if cfg.eval_every is None else cfg.eval_every
         self.best = BestHeads(cfg, rt)
         self.last: tuple[int, dict[str, Any]] | None = None
+        if prompts:
+            write_tree(cfg, model.config, rt)
 
     def due(self, step: int, final: bool) -> bool:
         return final or bool(self.every and step % self.every == 0)
@@ -237,8 +239,10 @@ def run(cfg: TrainConfig, model, engine: Engine, train_data, train_hidden, rt: R
         log.add(stats)
         bar.update(1)
         timed_out = engine.clock.fraction() > 1.0  # the same clock the learning rate decays by
-        # before the checkpoint, so that it holds the best evaluation so far
+        # before the checkpoint, so that it holds the best evaluation so far; not in the log's training throughput
+        t_eval = time.time()
         metrics = evals(step) if evals is not None and evals.due(step, step >= cfg.max_steps or timed_out) else None
+        log.t0 += time.time() - t_eval
         if step % cfg.log_every == 0 or step == stop or timed_out or metrics:
             record = log.write(step, round(step / batches.steps_per_epoch, 3), engine.lr(), tokens, metrics)
             bar.set_postfix(loss=record["loss"][0], top1=record["top1"][0])
