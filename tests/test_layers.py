@@ -244,3 +244,151 @@ def test_a_generate_call_descends_without_returning_to_a_package_it_left(tmp_pat
     assert any(p[:3] == ("medusa_lite.model", "medusa_lite.fit", "medusa_lite.decode") for p in paths)  # the probe
     returns = sorted(p for p in paths if len(set(p)) < len(p))
     assert not returns, f"call paths that return to a package they left: {returns[:5]}"
+
+
+# ------------------------------------------------------------------ no object passed up and held
+HIGHER_OBJECT_PARAMS = {"model"}  # what a MedusaModel is called where it is passed around
+
+
+def _classes(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """class name -> the project modules that define a class of that name (top level)."""
+    found: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, set()).add(module)
+    return found
+
+
+def _annotation_names(node) -> set[str]:
+    """The names an annotation mentions, those of string (forward) annotations included."""
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            try:
+                names |= _annotation_names(ast.parse(n.value, mode="eval"))
+            except SyntaxError:
+                pass
+    return names
+
+
+def _annotations(tree: ast.AST):
+    """(line, annotation) of every parameter, return and annotated assignment (``self.x: T`` included)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+                if arg.annotation is not None:
+                    yield arg.lineno, arg.annotation
+            if node.returns is not None:
+                yield node.lineno, node.returns
+        elif isinstance(node, ast.AnnAssign):
+            yield node.lineno, node.annotation
+
+
+def held_upward(modules: dict[str, Path]) -> list[str]:
+    """Where a module annotates a parameter or attribute with a class only a higher layer defines, or a constructor
+    below the facade's layer takes a model (a parameter of :data:`HIGHER_OBJECT_PARAMS`) to keep."""
+    classes, model_layer, out = _classes(modules), layer_of("medusa_lite.model"), []
+    for module, path in modules.items():
+        tree, layer = ast.parse(path.read_text()), layer_of(module)
+        for line, annotation in _annotations(tree):
+            for name in _annotation_names(annotation):
+                owners = classes.get(name, set())
+                if owners and min(layer_of(m) for m in owners) > layer:
+                    out.append(f"{module}:{line} annotated with {name} of {sorted(owners)}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "__init__" and layer < model_layer:
+                taken = {a.arg for a in node.args.args + node.args.kwonlyargs} & HIGHER_OBJECT_PARAMS
+                out += [f"{module}:{node.lineno} __init__ takes {name}" for name in sorted(taken)]
+    return out
+
+
+def test_no_lower_layer_names_a_higher_layers_class_or_keeps_a_model():
+    assert held_upward(_modules()) == [], "objects passed up the layer order to be kept"
+
+
+def test_the_layer_test_sees_a_model_kept_below(tmp_path):
+    (tmp_path / "session.py").write_text("class S:\n    def __init__(self, model):\n        self.model = model\n"
+                                         "    owner: 'MedusaModel'\n")
+    (tmp_path / "model.py").write_text("class MedusaModel:\n    pass\n")
+    found = held_upward({"medusa_lite.fit.session": tmp_path / "session.py", "medusa_lite.model": tmp_path / "model.py"})
+    assert len(found) == 2 and "takes model" in found[1] and "MedusaModel" in found[0]
+
+
+def _reaches(root, kind, limit: int = 200_000) -> bool:
+    """Whether an instance of ``kind`` is reachable from ``root`` through attributes, slots, containers and
+    closures (tensors are leaves)."""
+    import torch
+
+    seen, todo = set(), [root]
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, type, torch.Tensor)) or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, kind):
+            return True
+        if isinstance(obj, dict):
+            todo += list(obj.keys()) + list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo += list(obj)
+        todo += list(getattr(obj, "__dict__", {}).values())
+        todo += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
+        todo += [c.cell_contents for c in (getattr(obj, "__closure__", None) or ()) if c.cell_contents is not None]
+        todo += [getattr(obj, "__self__", None)]
+    return False
+
+
+def test_a_fit_and_the_decoder_hold_no_model(tmp_path, monkeypatch):
+    """The fit is a value (:func:`medusa_lite.fit.fit_machine`): neither it, the state a model keeps with it, nor
+    the decoder a model hands to the loop reaches back to the model."""
+    import torch
+    from test_fit import _hydra_model
+
+    from medusa_lite import MedusaModel
+    from medusa_lite.fit import fit_machine
+
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    model = _hydra_model()
+    fit = fit_machine(model.base_model, model.drafter, model.config, model.acceptance, progress=False)
+    assert fit is not None and not _reaches(fit, MedusaModel)
+    model.generate(torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(0)), max_new_tokens=6)
+    assert model.fits and not _reaches(list(model.fits.values()), MedusaModel)
+    assert not _reaches(model.decoder(), MedusaModel)
+    assert _reaches([{"x": (model.drafter, model)}], MedusaModel)  # the walk finds one where there is one
+
+
+# ------------------------------------------------------------------ no forwarding-only methods on the facade
+def forwarding(path: Path, class_name: str) -> list[str]:
+    """The methods of ``class_name`` whose whole body (docstring aside) is one call of a method of one of its
+    attributes (``return self.x.f(...)``, ``self.x.f(...)``): what a caller could call on ``self.x`` itself."""
+    out = []
+    for cls in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(cls, ast.ClassDef) and cls.name == class_name):
+            continue
+        for fn in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+            if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)):
+                continue
+            call = body[0].value
+            func = call.func if isinstance(call, ast.Call) else None
+            owner = func.value if isinstance(func, ast.Attribute) else None
+            while isinstance(owner, ast.Attribute) and not (isinstance(owner.value, ast.Name)
+                                                            and owner.value.id == "self"):
+                owner = owner.value
+            if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name) and owner.value.id == "self":
+                out.append(fn.name)
+    return out
+
+
+def test_medusa_model_has_no_method_that_only_forwards():
+    assert forwarding(ROOT / "medusa_lite" / "model.py", "MedusaModel") == []
+
+
+def test_the_forwarding_check_sees_one(tmp_path):
+    (tmp_path / "m.py").write_text("class M:\n    def f(self, x):\n        '''doc'''\n        return self.s.f(x)\n"
+                                   "    def g(self):\n        self.s.t.g()\n    def h(self):\n        return self.k()\n")
+    assert forwarding(tmp_path / "m.py", "M") == ["f", "g"]

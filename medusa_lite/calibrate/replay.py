@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..decode import make_plan
 from ..decode.plans import StaticTree, shared_buffers, with_lookup_branch
 from ..drafters import Draft
 from ..fit import BUCKETS, bucket_of
@@ -56,7 +57,7 @@ def replay_trees(model, sequences: list[tuple[torch.Tensor, int]], trees: list[T
     (:func:`drafter_inputs`), if already computed.
     """
     drafter = model.drafter
-    replays = [_Replay(tree, model, buckets) for tree in trees]
+    replays = [_Replay(tree, model.drafter, model.heads_device, buckets) for tree in trees]
     union = validate_choices(sorted({tuple(p) for r in replays if r.choices is not None for p in r.choices}))
     node_of = {tuple(p): i + 1 for i, p in enumerate(union)}  # a static tree's nodes within the union's draft
     for r in replays:
@@ -90,12 +91,12 @@ def replay_trees(model, sequences: list[tuple[torch.Tensor, int]], trees: list[T
 class _Replay:
     """One tree's walk in :func:`replay_trees`: its next step's position and its counts."""
 
-    def __init__(self, tree: TreeSpec, model, buckets=BUCKETS):
+    def __init__(self, tree: TreeSpec, drafter, device: torch.device, buckets=BUCKETS):
         base = tree.tree if isinstance(tree, WithLookup) else tree
         self.lookup = tree if isinstance(tree, WithLookup) else None
         self.choices = None if isinstance(base, DynamicTree) else base  # static: cut from the union's draft
-        self.grown = (base, model.plan(base)) if self.choices is None else None
-        self.device = model.heads_device
+        self.grown = (base, make_plan(drafter, base, device)) if self.choices is None else None
+        self.device = device
         self.step_at = 0
         self.total, self.steps, self.nodes = 0, 0, 0
         self.per_bucket = BucketCounts(buckets)
