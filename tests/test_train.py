@@ -630,7 +630,7 @@ def test_distill_data_continues_text_for_a_base_model_and_trains_on_the_continua
     learnt = [i for i, m in zip(enc["input_ids"], enc["loss_mask"]) if m]
     assert learnt and tok.decode(learnt).strip() == records[0]["text"][records[0]["prompt_chars"]:].strip()
     with pytest.raises(ValueError, match="prompt_chars"):
-        D.normalize_record({"text": "abc", "prompt_chars": 3})
+        D.normalize_record({"text": "abc", "prompt_chars": 4})
     # chat records (ShareGPT) read as their turns' text: the answers are learnt
     chat = D.normalize_record({"messages": [{"role": "user", "content": "w1 w2"},
                                             {"role": "assistant", "content": "w3 w4 w5"}]})

@@ -109,8 +109,8 @@ def normalize_record(raw: Any) -> dict[str, Any]:
         if not raw["text"].strip():
             raise ValueError("empty text")
         prompt_chars = raw.get("prompt_chars", 0)
-        if not isinstance(prompt_chars, int) or not 0 <= prompt_chars < len(raw["text"]):
-            raise ValueError(f"prompt_chars {prompt_chars!r} is not a position inside the text")
+        if not isinstance(prompt_chars, int) or not 0 <= prompt_chars <= len(raw["text"]):  # at the end: an empty
+            raise ValueError(f"prompt_chars {prompt_chars!r} is not a position in the text")  # continuation, no loss
         return {"messages": [], "text": raw["text"], "prompt_chars": prompt_chars}
     turns = raw.get("messages", raw.get("conversations"))
     if not isinstance(turns, list) or not turns:
