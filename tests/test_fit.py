@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import logging
 import os
 
 import pytest
@@ -261,6 +262,19 @@ def test_fit_can_be_switched_off(tmp_path, monkeypatch, prompt):
     assert model.last_stats.fitted is None
     model.generate(prompt, max_new_tokens=8, fit=True)  # an explicit argument wins
     assert model.last_stats.fitted is not None
+
+
+def test_the_first_use_fit_says_what_it_does(tmp_path, monkeypatch, prompt, caplog):
+    """generate's lazy fit is one visible call: it logs that it fits, and the probe logs whether it measured or read
+    back its cache file, naming the file."""
+    monkeypatch.setenv("MEDUSA_LITE_CACHE", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="medusa_lite"):
+        _hydra_model().generate(prompt, max_new_tokens=4)
+        _hydra_model().generate(prompt, max_new_tokens=4)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("on first use" in line for line in lines) == 2
+    assert any("probed in" in line and str(tmp_path / "fit") in line for line in lines)
+    assert any("read back from" in line and str(tmp_path / "fit") in line for line in lines)
 
 
 # ------------------------------------------------------------------ exactness of the adaptive path
