@@ -392,3 +392,29 @@ def test_the_forwarding_check_sees_one(tmp_path):
     (tmp_path / "m.py").write_text("class M:\n    def f(self, x):\n        '''doc'''\n        return self.s.f(x)\n"
                                    "    def g(self):\n        self.s.t.g()\n    def h(self):\n        return self.k()\n")
     assert forwarding(tmp_path / "m.py", "M") == ["f", "g"]
+
+
+# ------------------------------------------------------------------ the drafter's runtime contract
+def drafter_uses(modules: dict[str, Path], packages: tuple[str, ...]) -> set[str]:
+    """The attributes used of anything called ``drafter`` (``drafter.x``, ``self.drafter.x``, ``model.drafter.x``)
+    in the modules of ``packages``."""
+    used = set()
+    for module, path in modules.items():
+        if not any(module == p or module.startswith(p + ".") for p in packages):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            owner = node.value if isinstance(node, ast.Attribute) else None
+            if (isinstance(owner, ast.Name) and owner.id == "drafter") or (isinstance(owner, ast.Attribute)
+                                                                           and owner.attr == "drafter"):
+                used.add(node.attr)
+    return used
+
+
+def test_decoding_and_the_fit_use_only_the_drafters_runtime_contract():
+    from medusa_lite.drafters import DRAFTERS, RUNTIME, DraftRuntime
+
+    members = {n for n in vars(DraftRuntime) if not n.startswith("_")} | set(DraftRuntime.__annotations__)
+    assert members == set(RUNTIME) and len(RUNTIME) <= 8
+    assert drafter_uses(_modules(), ("medusa_lite.decode", "medusa_lite.fit")) <= set(RUNTIME)
+    for name, cls in DRAFTERS.items():
+        assert all(hasattr(cls, member) for member in RUNTIME), name
