@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from medusa_lite._hf import context_length
 from medusa_lite.train import data as D
 
 from .config import TrainConfig
@@ -87,11 +88,13 @@ def acceptance_length(cfg: TrainConfig, model, engine: Engine, prompts: list[tor
         return {}
     tree = fixed_tree(cfg, model.config)
     decoder = decoding_model(model, engine, rt)
+    room = context_length(model.base_model.config)
 
     def decode() -> torch.Tensor:
         tokens = steps = 0
         t0 = time.perf_counter()
         for prompt in prompts:
+            prompt = prompt[-(room - cfg.accept_tokens):] if room else prompt  # its end within the context length
             decoder.generate(prompt[None].to(rt.device), max_new_tokens=cfg.accept_tokens, do_sample=False,
                              tree=tree, fit=False)
             tokens += sum(decoder.last_stats.tokens_per_step)
