@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from functools import cache, partial
@@ -268,6 +269,21 @@ def attention_kernel():
                       "the few-query attention kernel", "torch's SDPA instead")
 
 
+STALE_LOCK_SECONDS = 600  # a build takes well under a minute: a lock this old was left by a process killed mid-build
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's build lock is a bare file: a process killed while building leaves it, and every later process would
+    wait on it forever. One older than :data:`STALE_LOCK_SECONDS` is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        warnings.warn(f"removing {lock}, left {age / 60:.0f} min ago by a build that did not finish")
+        lock.unlink(missing_ok=True)
+
+
 def _extension(kind: str, source: Path, source_id: str, switch: str, what: str, fallback: str):
     """Build (once per machine and source) and load (once per process) the C++ extension ``source``; None where it
     cannot be built or the environment variable ``switch`` is 0."""
@@ -282,8 +298,10 @@ def _extension(kind: str, source: Path, source_id: str, switch: str, what: str, 
         build = Path(cpp_extension._get_build_directory(name, verbose=False))  # $TORCH_EXTENSIONS_DIR/<name>
     except Exception:  # a private helper of torch's: only used to say so when a build is coming
         build = None
-    if build is not None and not any(build.glob("*.so")):
-        warnings.warn(f"compiling {what} into {build} (once per machine, ~30 s)")
+    if build is not None:
+        _clear_stale_lock(build / "lock")
+        if not any(build.glob("*.so")):
+            warnings.warn(f"compiling {what} into {build} (once per machine, ~30 s)")
     try:
         with _ninja_on_path():
             return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(BUILD_FLAGS),

@@ -598,3 +598,20 @@ def test_guard_backs_off_when_tries_keep_failing():
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert gaps[0] < gaps[1] < gaps[2] and gaps[-1] == gaps[-2]  # waits double, up to max_retry
     assert sum(level < 2 for level in levels[200:]) / 500 < 0.05  # little time spent on trees that do not pay
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path):
+    import os
+    import time
+
+    from medusa_lite.kernels import STALE_LOCK_SECONDS, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    _clear_stale_lock(lock)
+    assert lock.exists()  # a build may be running now
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="did not finish"):
+        _clear_stale_lock(lock)
+    assert not lock.exists()
