@@ -165,11 +165,9 @@ class GrammarState:
 
     def sync(self, tokens: list[int]) -> None:
         """Stand after ``tokens`` (the row's output so far): roll back what differs, consume the rest."""
-        same = 0
-        for a, b in zip(self.consumed, tokens):
-            if a != b:
-                break
-            same += 1
+        same = len(self.consumed)
+        if tokens[:same] != self.consumed:  # rare: a walk went down another path than the one emitted
+            same = next(i for i, (a, b) in enumerate(zip(self.consumed, tokens + [-1])) if a != b)
         if same < len(self.consumed):
             self.matcher.rollback(len(self.consumed) - same)
         for token in tokens[same:]:
