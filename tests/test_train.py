@@ -339,7 +339,7 @@ def test_lora_adapted_target_trains(material, tmp_path):
     peft_model.save_pretrained(tmp_path / "adapter")
     out = main([f"target={material['target']}", f"adapter={tmp_path / 'adapter'}", f"data={material['data']}",
                 "precision=fp32", "seq_len=32", "max_steps=2", "eval_samples=4",
-                "progress=false", f"output_dir={tmp_path / 'out'}"])
+                "progress=false", "accept_tokens=16", f"output_dir={tmp_path / 'out'}"])
     from medusa_lite import MedusaModel
     from medusa_lite.targets import load_target
 
@@ -390,7 +390,7 @@ def test_hydra_heads_with_draft_vocab_train_and_decode(material, tmp_path):
     """Hydra heads on the 40 most frequent trained tokens: they learn, the ids are stored, decoding stays exact."""
     out = main([f"target={material['target']}", f"data={material['data']}", "precision=fp32",
                 "head_type=hydra", "draft_vocab=40", "seq_len=32", "max_steps=30", "lr=1e-2", "warmup_steps=2", "log_every=5",
-                "eval_samples=4", "progress=false", f"output_dir={tmp_path}"])
+                "eval_samples=4", "progress=false", "accept_tokens=16", f"output_dir={tmp_path}"])
     heads = Path(out["heads_dir"])
     state = load_file(str(heads / "heads.safetensors"))
     assert state["draft_ids"].numel() == 40 and len(set(state["draft_ids"].tolist())) == 40
@@ -406,7 +406,8 @@ def test_resume_on_grown_data_keeps_the_checkpoints_draft_vocabulary(material, t
     """Data that grew between two runs has other most frequent tokens; the resumed drafter keeps the vocabulary
     its lm_head rows were trained on, and the teacher projects onto those same tokens."""
     common = [f"target={material['target']}", "precision=fp32", "head_type=hydra", "draft_vocab=40", "seq_len=32",
-              "max_steps=4", "log_every=1", "eval_samples=4", "progress=false", "lr=1e-2", "warmup_steps=1"]
+              "max_steps=4", "log_every=1", "eval_samples=4", "progress=false",
+              "accept_tokens=16", "lr=1e-2", "warmup_steps=1"]
     grown = tmp_path / "grown.jsonl"  # the first data and 140 new documents
     grown.write_text(material["data"].read_text() + write_chat_jsonl(tmp_path / "new.jsonl", n=140, seed=7).read_text())
 
@@ -440,7 +441,8 @@ def test_eval_data_holds_out_its_documents_even_when_data_contains_them(material
     held = tmp_path / "held.jsonl"
     held.write_text("\n".join(lines[:5] + extra) + "\n")
     out = main([f"target={material['target']}", f"data={material['data']}", f"eval_data={held}", "eval_samples=6",
-                "precision=fp32", "seq_len=32", "max_steps=2", "progress=false", f"output_dir={tmp_path / 'run'}"])
+                "precision=fp32", "seq_len=32", "max_steps=2", "progress=false",
+                "accept_tokens=16", f"output_dir={tmp_path / 'run'}"])
     log = capsys.readouterr().out
     summary = json.loads((Path(out["heads_dir"]) / "medusa_config.json").read_text())["training"]["data"]
     assert summary["eval_docs"] == 6 and summary["eval_data"] == str(held)
@@ -450,7 +452,7 @@ def test_eval_data_holds_out_its_documents_even_when_data_contains_them(material
         empty = tmp_path / "empty.jsonl"
         empty.write_text('{"messages": []}\n')
         main([f"target={material['target']}", f"data={material['data']}", f"eval_data={empty}", "precision=fp32",
-              "max_steps=1", "progress=false", f"output_dir={tmp_path / 'bad'}"])
+              "max_steps=1", "progress=false", "accept_tokens=16", f"output_dir={tmp_path / 'bad'}"])
 
 
 @pytest.mark.parametrize("cache_features", [True, False])
@@ -459,7 +461,8 @@ def test_eagle3_trains_through_the_same_entry_point_and_decodes(material, tmp_pa
     a 40-token draft vocabulary; it learns, it saves, it decodes exactly, and it exports to vLLM's layout."""
     out = main([f"target={material['target']}", f"data={material['data']}", "precision=fp32", "head_type=eagle3",
                 "num_heads=3", "draft_vocab=40", "--intermediate-size", "48", "seq_len=32", "max_steps=30", "lr=3e-3", "warmup_steps=2",
-                "log_every=5", "eval_samples=4", "progress=false", f"cache_features={cache_features}",
+                "log_every=5", "eval_samples=4", "progress=false",
+                "accept_tokens=16", f"cache_features={cache_features}",
                 f"output_dir={tmp_path}"])
     heads = Path(out["heads_dir"])
     conf = json.loads((heads / "medusa_config.json").read_text())

@@ -43,7 +43,8 @@ class TrainConfig(TargetOptions):
                                           "with the best acceptance length are the run's result")
     accept_prompts: int = option(8, "held-out prompts each evaluation decodes to measure the acceptance length "
                                     "(tokens per verify step; 0: not measured, the final heads are the result)")
-    accept_tokens: int = option(64, "new tokens decoded per prompt for the acceptance length")
+    accept_tokens: int = option(128, "new tokens decoded per prompt for the acceptance length (acceptance grows "
+                                      "along an answer: fewer tokens understate the bench's 256)")
     accept_tree: str | None = option(None, "tree the acceptance length is measured with (a JSON file or a shipped "
                                            "name); none: the heads' stored tree; without its lookup branch either way")
     max_doc_len: int = option(1024, "documents are truncated to this many tokens")
